@@ -1,0 +1,16 @@
+"""Entry point: compose the Hydra config and run colocated GRPO. All logic lives in `colocated_grpo`."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from colocated_grpo.runner import run
+
+    run(cfg)
+
+
+# vLLM spawns worker processes that re-import this module: the guard keeps them from re-running training.
+if __name__ == "__main__":
+    main()
