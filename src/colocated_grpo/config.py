@@ -142,9 +142,13 @@ def _divisors(n: int) -> list[int]:
 
 def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str]):
     """trl.GRPOConfig from `trainer.*` plus what the runner owns (output dir, reporting, seed, reward weights)."""
+    import torch
     from trl import GRPOConfig
 
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    if not torch.cuda.is_available():
+        # Without it, transformers ignores torchrun on CPU and every rank trains alone (world size 1).
+        kwargs.setdefault("use_cpu", True)
     kwargs.setdefault("model_init_kwargs", {}).setdefault("dtype", cfg.model.get("dtype", "auto"))
     return GRPOConfig(
         output_dir=output_dir,

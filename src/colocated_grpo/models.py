@@ -62,7 +62,10 @@ def resolve(model_cfg) -> str:
 
 
 def attention_heads(model_cfg) -> tuple[int, int]:
-    """(attention heads, KV heads) without loading weights: from the builder's shape or the model's config.json."""
+    """(attention heads, KV heads) without loading weights: declared in the model config, from the builder's shape,
+    or from the model's config.json."""
+    if model_cfg.get("attention_heads"):
+        return int(model_cfg.attention_heads), int(model_cfg.get("kv_heads") or model_cfg.attention_heads)
     if model_cfg.build:
         shape = SHAPES[model_cfg.build]
         return shape.num_attention_heads, shape.num_key_value_heads

@@ -1,4 +1,5 @@
-"""TrainerCallback that writes every logged step to metrics.jsonl on rank 0."""
+"""TrainerCallback that writes every logged step to metrics.jsonl on rank 0 (one line per step; the trainer's
+end-of-training totals go to trainer_summary.json instead)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from colocated_grpo.run_files import JsonlWriter
+from colocated_grpo.run_files import JsonlWriter, write_json
 
 
 class MetricsFileCallback(TrainerCallback):
@@ -18,6 +19,9 @@ class MetricsFileCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
+            return
+        if "train_runtime" in logs:
+            write_json(self.run_dir / "trainer_summary.json", {"train/global_step": state.global_step, **logs})
             return
         if self.writer is None:
             self.writer = JsonlWriter(self.run_dir / "metrics.jsonl")

