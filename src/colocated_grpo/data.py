@@ -34,14 +34,14 @@ def _conversation(question: str, system_prompt: str | None) -> list[dict]:
     return messages + [{"role": "user", "content": question}]
 
 
-def build(data_cfg, seed: int):
+def build(data_cfg):
     """Return a `datasets.Dataset` with `prompt` (list of chat messages) and `answer` columns."""
     import datasets
 
     source = data_cfg.source
     system_prompt = data_cfg.get("system_prompt")
     if source == "arithmetic":
-        rows = arithmetic_problems(data_cfg.num_samples, data_cfg.max_operand, data_cfg.operations, seed)
+        rows = arithmetic_problems(data_cfg.num_samples, data_cfg.max_operand, data_cfg.operations, data_cfg.seed)
         return datasets.Dataset.from_list(
             [{"prompt": _conversation(f"What is {r['question']}?", system_prompt), "answer": r["answer"]} for r in rows]
         )

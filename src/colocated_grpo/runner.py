@@ -57,7 +57,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
     from trl import GRPOTrainer
 
     model_path = models.resolve(cfg.model)
-    train_dataset = data.build(cfg.data, seed=int(cfg.seed))
+    train_dataset = data.build(cfg.data)
     reward_funcs, _ = rewards.build(cfg.reward)
     if run_files.is_main_process():
         reward_funcs[0] = rollouts.recording(reward_funcs[0], run_dir)
