@@ -26,11 +26,31 @@ def test_default_run_trains_three_steps_and_writes_run_files(default_run):
     assert len(rollouts) == 3 and all(len(r["completions"]) == 4 for r in rollouts)
 
 
+def test_default_run_records_phase_timings_and_throughput(default_run):
+    metrics = default_run.metrics()
+    for m in metrics:
+        phases = sum(m[f"timing_s/{p}"] for p in ("generate", "sync_weights", "reward", "train", "other"))
+        assert phases == pytest.approx(m["timing_s/step"], rel=1e-6)
+        assert m["timing_s/generate"] > 0 and m["timing_s/train"] > 0 and m["timing_s/reward"] > 0
+        # TRL's own step timer brackets ours: same order of magnitude, ours never longer by much
+        assert m["timing_s/step"] <= m["step_time"] * 1.1 + 0.05
+        assert m["perf/tokens_per_s"] > 0 and m["perf/gen_tokens_per_s"] > 0
+        assert not any(k.startswith("gpu/") for k in m), "no NVML on this machine: no GPU metrics"
+    # tokens counted by the telemetry match TRL's own cumulative count
+    assert sum(m["perf/tokens"] for m in metrics) == metrics[-1]["num_tokens"]
+    summary = json.loads((default_run.dir / "summary.json").read_text())
+    assert summary["steady_state/steps"] == 2 and summary["steady_state/warmup_steps"] == 1
+    steady = [m["timing_s/step"] for m in metrics[1:]]
+    assert summary["timing_s/step"] == pytest.approx(sum(steady) / len(steady))
+    assert "NVML is not available" in default_run.output
+
+
 def test_default_run_mirrors_metrics_to_wandb_offline(default_run):
     runs = list((default_run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "exactly one offline W&B run inside the run directory"
     blob = runs[0].read_bytes()
-    for key in (b"train/rewards/exact_answer/mean", b"train/loss", b"train/global_step", b"versions", b"trl"):
+    for key in (b"train/rewards/exact_answer/mean", b"train/loss", b"train/global_step", b"versions", b"trl",
+                b"timing_s/generate", b"perf/tokens_per_s_per_gpu"):
         assert key in blob, key
 
 
@@ -47,8 +67,11 @@ def test_weight_sync_reaches_the_colocated_engine(train):
 def test_torchrun_two_ranks_with_tensor_parallel_two(train):
     run = train("trainer.vllm_tensor_parallel_size=2", "trainer.per_device_train_batch_size=2", "trainer.max_steps=2",
                 "parallelism.nproc_per_node=2", nproc=2)  # fmt: skip
-    assert [m["train/global_step"] for m in run.metrics()] == [1, 2]
+    metrics = run.metrics()
+    assert [m["train/global_step"] for m in metrics] == [1, 2]
     assert json.loads((run.dir / "run.json").read_text())["world_size"] == 2
+    # both ranks' tokens reach rank 0's count (gathered every step)
+    assert sum(m["perf/tokens"] for m in metrics) == metrics[-1]["num_tokens"]
     assert len(list(run.dir.glob("wandb/offline-run-*"))) == 1, "only rank 0 writes W&B"
 
 
@@ -65,12 +88,13 @@ def _completions(run):
 
 def test_seed_changes_rollouts_and_same_seed_replicates(train):
     # Same prompts in the same order for every seed, so only the sampling RNG can make completions differ.
-    common = ("trainer.max_steps=2", "+trainer.shuffle_dataset=false", "data.seed=0", "logger=none")
+    common = ("trainer.max_steps=2", "+trainer.shuffle_dataset=false", "data.seed=0", "logger=none", "telemetry=off")
     first, again, other = train(*common, "seed=0"), train(*common, "seed=0"), train(*common, "seed=1")
     (c0, p0), (c0b, p0b), (c1, p1) = _completions(first), _completions(again), _completions(other)
     assert p0 == p0b == p1
     assert c0 == c0b, "the same seed must reproduce the rollouts"
     assert c0 != c1, "a different seed must give different rollouts"
+    assert not any(k.startswith("timing_s/") for m in first.metrics() for k in m), "telemetry=off logs no timings"
 
 
 def test_bad_config_fails_before_loading_anything(train):

@@ -83,6 +83,12 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
 
     problems += _model_problems(cfg.model)
 
+    if OmegaConf.select(cfg, "telemetry.enabled") and int(trainer.get("logging_steps", 500)) != 1:
+        problems.append(
+            f"trainer.logging_steps={trainer.get('logging_steps')}: telemetry records every step, so it must be 1 "
+            "(or turn telemetry off with telemetry=off)"
+        )
+
     if cfg.parallelism.name == "zero3" and importlib.util.find_spec("deepspeed") is None:
         problems.append("parallelism=zero3 needs the `deepspeed` package: pip install deepspeed (or use ddp / fsdp)")
 

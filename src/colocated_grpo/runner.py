@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo import config, data, models, rewards, rollouts, run_files, tracking
-from colocated_grpo.telemetry.callback import MetricsFileCallback
+from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,20 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
         reward_funcs[0] = rollouts.recording(reward_funcs[0], run_dir)
     report_to = ["wandb"] if cfg.logger.backend == "wandb" and run_files.is_main_process() else []
     args = config.grpo_config(cfg, output_dir=str(run_dir), report_to=report_to)
+    metrics_file = MetricsFileCallback(run_dir, warmup_steps=int(cfg.telemetry.warmup_steps))
     trainer = GRPOTrainer(
         model=model_path,
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=train_dataset,
-        callbacks=[MetricsFileCallback(run_dir)],
+        callbacks=[metrics_file],
     )
     reseed_generation(trainer, int(cfg.seed))
+    if cfg.telemetry.enabled:
+        t = cfg.telemetry
+        telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
+        trainer.add_callback(telemetry)
+        metrics_file.extras.append(telemetry.pop_step_metrics)
     return trainer
 
 

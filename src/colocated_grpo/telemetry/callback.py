@@ -1,20 +1,34 @@
-"""TrainerCallback that writes every logged step to metrics.jsonl on rank 0 (one line per step; the trainer's
-end-of-training totals go to trainer_summary.json instead)."""
+"""Trainer callbacks: the per-step run files (metrics.jsonl, summary.json) and the telemetry that feeds them."""
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from colocated_grpo.run_files import JsonlWriter, write_json
+from colocated_grpo.telemetry import aggregate, hooks, nvml
+from colocated_grpo.telemetry.phases import PhaseTracker
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak of one GPU, for perf/mfu; other GPUs: set telemetry.peak_tflops.
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 
 class MetricsFileCallback(TrainerCallback):
-    """Mirror of what TRL logs, keyed by `train/global_step` like the W&B run, one flushed line per log call."""
+    """Writes each logged step to metrics.jsonl on rank 0, keyed by `train/global_step` like the W&B run, merged
+    with whatever the `extras` providers hand over (the step's telemetry); keeps summary.json up to date.
 
-    def __init__(self, run_dir: Path):
+    The trainer's end-of-training totals go to trainer_summary.json instead."""
+
+    def __init__(self, run_dir: Path, extras=(), warmup_steps: int = 1):
         self.run_dir = run_dir
+        self.extras = list(extras)
+        self.warmup_steps = warmup_steps
+        self.records: list[dict] = []
         self.writer: JsonlWriter | None = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -25,9 +39,128 @@ class MetricsFileCallback(TrainerCallback):
             return
         if self.writer is None:
             self.writer = JsonlWriter(self.run_dir / "metrics.jsonl")
-        self.writer.write({"train/global_step": state.global_step, **logs})
+        record = {"train/global_step": state.global_step, **logs}
+        for extra in self.extras:
+            record.update(extra())
+        self.writer.write(record)
+        self.records.append(record)
+        self.write_summary()
+
+    def write_summary(self) -> dict:
+        summary = aggregate.steady_state(self.records, self.warmup_steps)
+        write_json(self.run_dir / "summary.json", summary)
+        try:
+            import wandb
+
+            if wandb.run is not None:
+                wandb.run.summary.update(summary)
+        except ImportError:
+            pass
+        return summary
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+class TelemetryCallback(TrainerCallback):
+    """Phase times, GPU samples and throughput of every step on every rank, aggregated on rank 0."""
+
+    def __init__(self, trainer, run_dir: Path, interval_s: float = 0.2, sync_cuda: bool = True, peak_tflops=None):
+        import torch
+
+        self.trainer = trainer
+        self.run_dir = run_dir
+        self.interval_s = interval_s
+        self.peak_tflops = peak_tflops
+        self.cuda = torch.cuda.is_available()
+        self.tracker = PhaseTracker(barrier=torch.cuda.synchronize if (self.cuda and sync_cuda) else None)
+        self.tokens = hooks.TokenCounter()
+        hooks.install(trainer, self.tracker, self.tokens)
+        self.sampler: nvml.GpuSampler | None = None
+        self.samples_writer: JsonlWriter | None = None
+        self.pending: dict[str, float] = {}
+        self.n_params: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        import torch
+
+        rank = self.trainer.accelerator.process_index
+        if self.cuda and nvml.nvml_available():
+            device = torch.cuda.current_device()
+            self.sampler = nvml.GpuSampler({str(rank): nvml.cuda_device_uuid(device)}, self.interval_s).start()
+            if self.peak_tflops is None:
+                name = torch.cuda.get_device_name(device)
+                self.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        elif state.is_world_process_zero:
+            log.warning("NVML is not available (no NVIDIA GPU): logging phase timings and throughput without GPU metrics")
+        self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
+        if state.is_world_process_zero:
+            self.samples_writer = JsonlWriter(self.run_dir / "gpu_samples.jsonl")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.samples_writer is not None:
+            self.samples_writer.close()
+
+    # -- phase edges -------------------------------------------------------------------------------------------
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.tracker.begin_step()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.tracker.enter("train")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.tracker.exit("train")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t0 = time.perf_counter()
+        barrier_s, self.tracker.barrier_s = self.tracker.barrier_s, 0.0
+        phases = self.tracker.end_step()
+        if phases is None:
+            return
+        samples = self.sampler.take(phases.start, phases.end) if self.sampler else []
+        prompt, completion = self.tokens.reset()
+        report = aggregate.RankReport(self.trainer.accelerator.process_index, phases, samples, prompt, completion)
+        reports = _gather(report)
+        if not state.is_world_process_zero:
+            return
+        metrics = aggregate.step_metrics(reports, self.n_params if self.cuda else None, self.peak_tflops)
+        for r in reports:
+            for sample, phase in aggregate.label_samples(r.samples, r.phases.segments):
+                self.samples_writer.write(
+                    {"train/global_step": state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
+                )
+        metrics["telemetry/barrier_s"] = barrier_s
+        metrics["telemetry/callback_s"] = time.perf_counter() - t0
+        if self.sampler is not None:
+            metrics["telemetry/sampler_s"] = self.sampler.read_s
+            self.sampler.read_s = 0.0
+        self.pending = metrics
+        _log_to_wandb(metrics, state.global_step)
+
+    def pop_step_metrics(self) -> dict[str, float]:
+        metrics, self.pending = self.pending, {}
+        return metrics
+
+
+def _gather(report):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [report]
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return reports
+
+
+def _log_to_wandb(metrics: dict, step: int) -> None:
+    try:
+        import wandb
+    except ImportError:
+        return
+    if wandb.run is not None:
+        wandb.run.log({**metrics, "train/global_step": step})

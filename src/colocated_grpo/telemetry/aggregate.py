@@ -1,0 +1,109 @@
+"""Turn every rank's phase marks, GPU samples and token counts for one step into the logged metrics.
+
+Pure functions of recorded data, so they are tested on CPU with recorded sample streams.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from colocated_grpo.telemetry.nvml import Sample
+from colocated_grpo.telemetry.phases import PHASES, Segment, StepPhases
+
+IDLE_UTIL = 5.0  # a sample below this utilisation (%) counts as idle in gpu/idle_frac
+
+
+@dataclass
+class RankReport:
+    """What one rank measured in one step; gathered to rank 0."""
+
+    rank: int
+    phases: StepPhases
+    samples: list[Sample] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def label_samples(samples: list[Sample], segments: list[Segment]) -> list[tuple[Sample, str]]:
+    """Pair each sample with the phase running when it was taken (samples outside every segment are dropped)."""
+    starts = [s.start for s in segments]
+    labelled = []
+    for sample in samples:
+        i = bisect.bisect_right(starts, sample.t) - 1
+        if i >= 0 and sample.t <= segments[i].end:
+            labelled.append((sample, segments[i].phase))
+    return labelled
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def step_metrics(
+    reports: list[RankReport], n_params: int | None = None, peak_tflops_per_gpu: float | None = None
+) -> dict[str, float]:
+    """Metrics of one step from all ranks' reports (see DESIGN.md for the names)."""
+    metrics: dict[str, float] = {}
+    step_s = _mean(r.phases.duration for r in reports)
+    metrics["timing_s/step"] = step_s
+    per_rank = [r.phases.durations() for r in reports]
+    for phase in PHASES:
+        metrics[f"timing_s/{phase}"] = _mean(d[phase] for d in per_rank)
+
+    gpus = {s.gpu for r in reports for s in r.samples}
+    n_gpus = len(gpus) or len(reports)  # without GPUs: per process
+    prompt = sum(r.prompt_tokens for r in reports)
+    completion = sum(r.completion_tokens for r in reports)
+    metrics["perf/tokens"] = float(prompt + completion)
+    if step_s > 0:
+        metrics["perf/tokens_per_s"] = (prompt + completion) / step_s
+        metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / n_gpus
+    if metrics["timing_s/generate"] > 0:
+        metrics["perf/gen_tokens_per_s"] = completion / metrics["timing_s/generate"]
+    if n_params and peak_tflops_per_gpu and step_s > 0:
+        # Training FLOPs only (forward + backward ≈ 6 · params · tokens); generation is not counted.
+        metrics["perf/mfu"] = 6 * n_params * (prompt + completion) / (step_s * peak_tflops_per_gpu * 1e12 * n_gpus)
+
+    if gpus:
+        metrics.update(_gpu_metrics(reports))
+    return metrics
+
+
+def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    by_gpu: dict[str, list[Sample]] = defaultdict(list)
+    by_phase: dict[str, list[float]] = defaultdict(list)
+    for r in reports:
+        for s in r.samples:
+            by_gpu[s.gpu].append(s)
+        for s, phase in label_samples(r.samples, r.phases.segments):
+            by_phase[phase].append(s.util)
+    for gpu, samples in sorted(by_gpu.items()):
+        metrics[f"gpu/{gpu}/util"] = _mean(s.util for s in samples)
+        metrics[f"gpu/{gpu}/mem_gb"] = _mean(s.mem_gb for s in samples)
+        metrics[f"gpu/{gpu}/power_w"] = _mean(s.power_w for s in samples)
+        metrics[f"gpu/{gpu}/sm_clock_mhz"] = _mean(s.sm_clock_mhz for s in samples)
+    for phase in PHASES:
+        if by_phase[phase]:
+            metrics[f"gpu/util_{phase}"] = _mean(by_phase[phase])
+    all_samples = [s for samples in by_gpu.values() for s in samples]
+    metrics["gpu/idle_frac"] = sum(s.util < IDLE_UTIL for s in all_samples) / len(all_samples)
+    metrics["gpu/samples"] = float(len(all_samples))
+    metrics["memory/peak_gb"] = max(s.mem_gb for s in all_samples)
+    return metrics
+
+
+def steady_state(records: list[dict], warmup_steps: int) -> dict[str, float]:
+    """Means of every numeric metric over the steps after `warmup_steps` (all steps if none are left)."""
+    steady = [r for r in records if r.get("train/global_step", 0) > warmup_steps] or records
+    keys = {k for r in steady for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    summary = {k: _mean(r.get(k) for r in steady) for k in sorted(keys) if k != "train/global_step"}
+    summary["steady_state/steps"] = len(steady)
+    summary["steady_state/warmup_steps"] = warmup_steps
+    if records and "reward" in records[-1]:
+        summary["final/reward"] = records[-1]["reward"]
+    return summary

@@ -1,0 +1,56 @@
+"""The only place that knows TRL's internals: thin wrappers on one GRPOTrainer instance that mark phases and
+count tokens. Nothing in TRL is changed; the wrapped methods are called unchanged.
+
+    generate      GRPOTrainer._generate (vLLM or transformers generation; sync_weights nests inside)
+    sync_weights  VLLMGeneration.sync_weights (colocate and server)
+    reward        GRPOTrainer._calculate_rewards
+    train         GRPOTrainer.training_step (forward + backward) and the optimizer step (callback edges)
+    other         the rest of TRL's _prepare_inputs (old/ref log-probs, advantages, gathering) and the loop
+"""
+
+from __future__ import annotations
+
+import functools
+
+from colocated_grpo.telemetry.phases import PhaseTracker
+
+
+class TokenCounter:
+    def __init__(self):
+        self.prompt = self.completion = 0
+
+    def reset(self) -> tuple[int, int]:
+        counts = (self.prompt, self.completion)
+        self.prompt = self.completion = 0
+        return counts
+
+
+def _wrap(obj, name: str, tracker: PhaseTracker, phase: str, after=None) -> None:
+    original = getattr(obj, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with tracker.phase(phase):
+            result = original(*args, **kwargs)
+        if after is not None:
+            after(result)
+        return result
+
+    setattr(obj, name, wrapper)
+
+
+def install(trainer, tracker: PhaseTracker, tokens: TokenCounter) -> None:
+    def count(result):
+        prompt_ids, completion_ids = result[0], result[1]
+        tokens.prompt += sum(len(ids) for ids in prompt_ids)
+        tokens.completion += sum(len(ids) for ids in completion_ids)
+
+    _wrap(trainer, "training_step", tracker, "train")
+    _wrap(trainer, "_prepare_inputs", tracker, "other")
+    _wrap(trainer, "_generate", tracker, "generate", after=count)
+    _wrap(trainer, "_calculate_rewards", tracker, "reward")
+    if hasattr(trainer, "_clip_grad_norm"):
+        _wrap(trainer, "_clip_grad_norm", tracker, "train")
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is not None:
+        _wrap(generation, "sync_weights", tracker, "sync_weights")

@@ -1,0 +1,112 @@
+"""Background NVML sampler: utilisation, memory, power and SM clock of the GPUs this process uses.
+
+W&B's system monitor samples every 15 s, far coarser than a GRPO step; this samples every `interval_s`
+(0.2 s by default). GPUs are matched to CUDA devices by UUID, so CUDA_VISIBLE_DEVICES orderings and PCI vs.
+NVML numbering cannot mix them up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float  # time.perf_counter() of this process
+    gpu: str  # label of the GPU in metric names (gpu/{label}/util)
+    util: float  # % of the last sample period in which a kernel ran (NVML's utilization.gpu)
+    mem_gb: float
+    power_w: float
+    sm_clock_mhz: float
+
+
+def nvml_available() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        return False
+
+
+def cuda_device_uuid(device_index: int) -> str:
+    """NVML-style UUID ("GPU-…") of a CUDA device as this process numbers it."""
+    import torch
+
+    return "GPU-" + str(torch.cuda.get_device_properties(device_index).uuid)
+
+
+class GpuSampler:
+    """Samples the GPUs given as {label: NVML UUID} in a daemon thread; `take(t0, t1)` hands out samples."""
+
+    def __init__(self, gpus: dict[str, str], interval_s: float = 0.2, max_samples: int = 100_000):
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        self.handles = {label: pynvml.nvmlDeviceGetHandleByUUID(uuid) for label, uuid in gpus.items()}
+        self.interval_s = interval_s
+        self._samples: deque[Sample] = deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpu-sampler", daemon=True)
+        self.read_s = 0.0  # total time spent reading NVML: the sampler's own cost
+        self.reads = 0
+
+    def start(self) -> GpuSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval_s + 1)
+
+    def read(self) -> list[Sample]:
+        nv = self._nvml
+        t0 = time.perf_counter()
+        out = []
+        for label, h in self.handles.items():
+            try:
+                power = nv.nvmlDeviceGetPowerUsage(h) / 1000.0
+            except nv.NVMLError:
+                power = float("nan")
+            out.append(
+                Sample(
+                    t=t0,
+                    gpu=label,
+                    util=float(nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                    mem_gb=nv.nvmlDeviceGetMemoryInfo(h).used / 1e9,
+                    power_w=power,
+                    sm_clock_mhz=float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                )
+            )
+        self.read_s += time.perf_counter() - t0
+        self.reads += 1
+        return out
+
+    def _loop(self) -> None:
+        next_t = time.perf_counter()
+        while not self._stop.is_set():
+            try:
+                samples = self.read()
+            except Exception as exc:  # a GPU that stops answering must not take the run down
+                log.warning("GPU sampling stopped: %s", exc)
+                return
+            with self._lock:
+                self._samples.extend(samples)
+            next_t += self.interval_s
+            self._stop.wait(max(0.0, next_t - time.perf_counter()))
+
+    def take(self, t0: float, t1: float) -> list[Sample]:
+        """Samples with t0 <= t <= t1; older ones are dropped."""
+        with self._lock:
+            while self._samples and self._samples[0].t < t0:
+                self._samples.popleft()
+            return [s for s in self._samples if s.t <= t1]
