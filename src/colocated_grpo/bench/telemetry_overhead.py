@@ -1,0 +1,83 @@
+"""What does the telemetry cost? Runs the same training with `telemetry=default` and `telemetry=off`,
+interleaved, and compares TRL's own steady-state `step_time` (logged in both). Also prints the directly measured
+costs inside the telemetry runs: the callback's work and the CUDA synchronisations at phase edges per step, and
+the NVML sampler thread's read time.
+
+    python -m colocated_grpo.bench.telemetry_overhead --nproc 1 --repeats 2 -- +experiment=gpu_smoke trainer.max_steps=10
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from colocated_grpo.run_files import read_jsonl
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def train_command(nproc: int, overrides: list[str]) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, str(REPO / "train.py"), *overrides]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+            str(REPO / "train.py"), f"parallelism.nproc_per_node={nproc}", *overrides]  # fmt: skip
+
+
+def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
+    run_dir = out / name
+    cmd = train_command(nproc, [*overrides, f"hydra.run.dir={run_dir}", "logger=none"])
+    print(f"[{name}] {' '.join(cmd)}", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "launch.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        sys.exit(f"[{name}] failed with exit code {rc}; see {run_dir / 'launch.log'}")
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="pairs of (on, off) runs, interleaved")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of each run")
+    parser.add_argument("--out", type=Path, default=Path("outputs/bench/telemetry_overhead"))
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = parser.parse_args(argv)
+
+    steady = {"on": [], "off": []}
+    direct = []
+    for i in range(args.repeats):
+        for mode in ("on", "off"):
+            metrics = run_once(args.out, f"{mode}_{i}", args.nproc,
+                               [*args.overrides, f"telemetry={'default' if mode == 'on' else 'off'}"])  # fmt: skip
+            rows = [m for m in metrics if m["train/global_step"] > args.warmup]
+            if not rows:
+                sys.exit(f"no steps after {args.warmup} warm-up steps: raise trainer.max_steps")
+            steady[mode] += [m["step_time"] for m in rows]
+            if mode == "on":
+                direct += [
+                    (m.get("telemetry/callback_s", 0) + m.get("telemetry/barrier_s", 0), m.get("telemetry/sampler_s", 0), m["step_time"])
+                    for m in rows
+                ]  # fmt: skip
+
+    on, off = statistics.median(steady["on"]), statistics.median(steady["off"])
+    in_step = statistics.mean(c / s for c, _, s in direct)
+    sampler = statistics.mean(p / s for _, p, s in direct)
+    print(f"\nsteady-state step_time (TRL's), median over {len(steady['on'])} / {len(steady['off'])} steps:")
+    print(f"  telemetry on : {on:.4f} s   (stdev {statistics.pstdev(steady['on']):.4f})")
+    print(f"  telemetry off: {off:.4f} s   (stdev {statistics.pstdev(steady['off']):.4f})")
+    print(f"  A/B overhead : {100 * (on / off - 1):+.2f} % of step time (noise: see the stdevs)")
+    print(f"direct costs inside the telemetry runs, per step:")
+    print(f"  callback + phase-edge synchronisation: {100 * in_step:.3f} % of step time")
+    print(f"  NVML sampler reads (own thread)      : {100 * sampler:.3f} % of step time")
+
+
+if __name__ == "__main__":
+    main()
