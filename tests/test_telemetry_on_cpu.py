@@ -105,6 +105,7 @@ def test_step_metrics_aggregate_two_ranks():
     m = step_metrics(reports, n_params=1_000_000, peak_tflops_per_gpu=1.0)
     assert m["timing_s/step"] == 10 and m["timing_s/generate"] == 3 and m["timing_s/other"] == 2
     assert m["perf/tokens_per_s"] == 800 and m["perf/tokens_per_s_per_gpu"] == 400
+    assert m["perf/tokens_per_s_per_train_gpu"] == 400 and m["placement/gpus"] == 2
     assert m["perf/gen_tokens_per_s"] == 2000
     assert m["perf/mfu"] == pytest.approx(6 * 1e6 * 8000 / (10 * 1e12 * 2))
     assert m["gpu/util_generate"] == pytest.approx((90 + 45) / 2)
@@ -114,6 +115,17 @@ def test_step_metrics_aggregate_two_ranks():
     assert m["gpu/idle_frac"] == pytest.approx(12 / 40)  # util 0 in 3 of 10 seconds on both GPUs
     assert m["memory/peak_gb"] == pytest.approx(20 + 9.75)
     assert m["gpu/0/power_w"] == 300 and m["gpu/samples"] == 40
+
+
+def test_server_gpus_count_as_used_but_not_as_training_gpus():
+    # server placement: rank 0 also samples the server's GPU; it is busy while the trainer generates
+    server = stream("server0", 0, 10, [0, 95, 0, 95, 95, 0, 0, 0, 0, 0])
+    reports = [RankReport(0, recorded_step(), stream("0", 0, 10, UTIL) + server, 1000, 3000)]
+    m = step_metrics(reports)
+    assert m["placement/gpus"] == 2
+    assert m["perf/tokens_per_s_per_gpu"] == 200 and m["perf/tokens_per_s_per_train_gpu"] == 400
+    assert m["gpu/server0/util"] == pytest.approx(28.5)
+    assert m["gpu/util_generate"] == pytest.approx((90 + 95) / 2)
 
 
 def test_without_gpus_timings_and_throughput_remain():

@@ -61,7 +61,12 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
                     f"trainer.vllm_tensor_parallel_size={tp} must divide the world size {world} "
                     f"(torchrun --nproc_per_node / parallelism.nproc_per_node); use one of {_divisors(world)}"
                 )
-            problems += _heads_problems(cfg.model, tp)
+            problems += _heads_problems(cfg.model, tp, "trainer.vllm_tensor_parallel_size")
+        elif trainer.get("vllm_mode") == "server":
+            p = cfg.placement
+            if not 0 < float(p.gpu_memory_utilization) < 1:
+                problems.append(f"placement.gpu_memory_utilization={p.gpu_memory_utilization} must be strictly between 0 and 1")
+            problems += _heads_problems(cfg.model, int(p.server_tensor_parallel_size), "placement.server_tensor_parallel_size")
 
     num_gen = int(trainer.get("num_generations", 8))
     batch = generation_batch_size(trainer, world)
@@ -125,7 +130,7 @@ def _model_problems(model: DictConfig) -> list[str]:
     return []
 
 
-def _heads_problems(model: DictConfig, tp: int) -> list[str]:
+def _heads_problems(model: DictConfig, tp: int, key: str) -> list[str]:
     if tp < 1 or _model_problems(model):
         return []  # reported elsewhere
     try:
@@ -136,7 +141,7 @@ def _heads_problems(model: DictConfig, tp: int) -> list[str]:
     for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
         if n % tp:
             problems.append(
-                f"trainer.vllm_tensor_parallel_size={tp} must divide the model's {n} {what} "
+                f"{key}={tp} must divide the model's {n} {what} "
                 f"({model.name_or_path}); use one of {_divisors(n)}"
             )
     return problems

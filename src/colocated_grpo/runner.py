@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from colocated_grpo import config, data, models, rewards, rollouts, run_files, tracking
+from colocated_grpo import config, data, models, rewards, rollouts, run_files, server, tracking
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 
 log = logging.getLogger(__name__)
@@ -17,9 +17,11 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     """Train one GRPO job as configured; returns the run directory. Every rank calls this."""
-    config.validate(cfg)
     run_dir = Path(run_dir or _hydra_output_dir()).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if server.is_launcher(cfg):
+        return _launch_server_placement(cfg, run_dir)
+    config.validate(cfg)
     main = run_files.is_main_process()
     _prepare_environment(cfg)
 
@@ -50,6 +52,16 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
                 run_dir / "run.json", {**metadata, "status": status, "started": _started(run_dir), "ended": run_files.now()}
             )
     log.info("run finished: %s", run_dir)
+    return run_dir
+
+
+def _launch_server_placement(cfg: DictConfig, run_dir: Path) -> Path:
+    """This process only orchestrates: vLLM server on the last GPUs, a torchrun trainer on the others."""
+    plan = server.plan(cfg, server.visible_gpus())
+    config.validate(cfg, plan.nproc)
+    code = server.launch(cfg, plan, run_dir, _user_overrides(), models.resolve(cfg.model))
+    if code != 0:
+        raise SystemExit(f"server placement: the trainer failed with exit code {code} (see {run_dir}/trainer.log)")
     return run_dir
 
 
@@ -107,6 +119,12 @@ def _prepare_environment(cfg: DictConfig) -> None:
         from colocated_grpo.vllm_cpu import keep_weights_syncable
 
         keep_weights_syncable()
+
+
+def _user_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
 
 
 def _hydra_output_dir() -> str:

@@ -55,13 +55,16 @@ def step_metrics(
         metrics[f"timing_s/{phase}"] = _mean(d[phase] for d in per_rank)
 
     gpus = {s.gpu for r in reports for s in r.samples}
-    n_gpus = len(gpus) or len(reports)  # without GPUs: per process
+    n_gpus = len(gpus) or len(reports)  # every GPU sampled, a vLLM server's included; without GPUs: per process
+    metrics["placement/gpus"] = float(n_gpus)
     prompt = sum(r.prompt_tokens for r in reports)
     completion = sum(r.completion_tokens for r in reports)
     metrics["perf/tokens"] = float(prompt + completion)
     if step_s > 0:
         metrics["perf/tokens_per_s"] = (prompt + completion) / step_s
-        metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / n_gpus
+        metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / n_gpus  # every GPU used
+        # per training GPU: how the server-vs-colocate comparisons usually scale server mode (N / (N - K))
+        metrics["perf/tokens_per_s_per_train_gpu"] = metrics["perf/tokens_per_s"] / len(reports)
     if metrics["timing_s/generate"] > 0:
         metrics["perf/gen_tokens_per_s"] = completion / metrics["timing_s/generate"]
     if n_params and peak_tflops_per_gpu and step_s > 0:

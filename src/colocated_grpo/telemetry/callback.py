@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from colocated_grpo.run_files import JsonlWriter, write_json
+from colocated_grpo.server import SERVER_GPUS_ENV
 from colocated_grpo.telemetry import aggregate, hooks, nvml
 from colocated_grpo.telemetry.phases import PhaseTracker
 
@@ -90,7 +92,11 @@ class TelemetryCallback(TrainerCallback):
         rank = self.trainer.accelerator.process_index
         if self.cuda and nvml.nvml_available():
             device = torch.cuda.current_device()
-            self.sampler = nvml.GpuSampler({str(rank): nvml.cuda_device_uuid(device)}, self.interval_s).start()
+            gpus = {str(rank): nvml.cuda_device_uuid(device)}
+            if state.is_world_process_zero:  # a vLLM server's GPUs (server placement) are sampled by rank 0
+                server_gpus = [g for g in os.environ.get(SERVER_GPUS_ENV, "").split(",") if g]
+                gpus.update({f"server{j}": uuid for j, uuid in enumerate(server_gpus)})
+            self.sampler = nvml.GpuSampler(gpus, self.interval_s).start()
             if self.peak_tflops is None:
                 name = torch.cuda.get_device_name(device)
                 self.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
