@@ -9,30 +9,17 @@ the NVML sampler thread's read time.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from colocated_grpo.processes import train_command
 from colocated_grpo.run_files import read_jsonl
-
-REPO = Path(__file__).resolve().parents[3]
-
-
-def train_command(nproc: int, overrides: list[str]) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(REPO / "train.py"), *overrides]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-            str(REPO / "train.py"), f"parallelism.nproc_per_node={nproc}", *overrides]  # fmt: skip
-
 
 def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
     run_dir = out / name
-    cmd = train_command(nproc, [*overrides, f"hydra.run.dir={run_dir}", "logger=none"])
+    cmd = train_command(nproc, [*overrides, f"parallelism.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", "logger=none"])
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "launch.log", "w") as log:
