@@ -47,6 +47,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         raise
     finally:
         tracking.finish(wandb_run, exit_code)
+        _close_process_group()
         if main:
             run_files.write_json(
                 run_dir / "run.json", {**metadata, "status": status, "started": _started(run_dir), "ended": run_files.now()}
@@ -119,6 +120,13 @@ def _prepare_environment(cfg: DictConfig) -> None:
         from colocated_grpo.vllm_cpu import keep_weights_syncable
 
         keep_weights_syncable()
+
+
+def _close_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _user_overrides() -> list[str]:
