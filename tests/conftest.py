@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from colocated_grpo.run_files import read_jsonl
+from colocated_grpo.sweep import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,12 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 def model_cache(tmp_path_factory) -> Path:
     """One model cache for the whole session: the tiny model is built once and reused by every run."""
     return tmp_path_factory.mktemp("model-cache")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Run:
