@@ -347,6 +347,33 @@ def test_slurm_tasks_get_one_sbatch_job_and_a_torchrun_per_node(tmp_path, monkey
     assert env["SLURM_JOB_ID"] == "4242" and env["PYTHONUNBUFFERED"] == "1"
 
 
+def test_two_slurm_tasks_form_one_multi_node_torchrun(model_cache, tmp_path):
+    """What the two tasks of a 2-node SLURM job run, both on this machine: each starts torchrun for its node with
+    the rendezvous taken from SLURM's environment, and the two meet as one world of 2 ranks that trains."""
+    job = sweep.Job(0, ["trainer.max_steps=1", "trainer.per_device_train_batch_size=2", "logger=none"], [],
+                    str(tmp_path / "sweep" / "0_two_nodes"), nproc_per_node=1, nnodes=2)  # fmt: skip
+    task = "import json, sys; from colocated_grpo import sweep; " \
+           "sweep.run_on_node(sweep.Job(**json.loads(sys.argv[1])), sweep.Options(script=sys.argv[2]))"  # fmt: skip
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": str(os.getpid()), "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost"}  # fmt: skip
+    tasks = [
+        subprocess.Popen([sys.executable, "-c", task, json.dumps(job.record()), str(REPO / "train.py")], cwd=tmp_path,
+                         env={**_env(model_cache), **slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)})
+        for node in (0, 1)
+    ]  # fmt: skip
+    try:
+        assert [t.wait(timeout=400) for t in tasks] == [0, 0]
+    finally:
+        for t in tasks:
+            t.kill()
+    job_dir = Path(job.dir)
+    record = read_json(job_dir / "job.json")
+    assert record["status"] == "finished" and "--nnodes=2" in record["command"]
+    assert (job_dir / "job.log").stat().st_size > 0 and (job_dir / "job.node1.log").stat().st_size > 0
+    assert read_json(job_dir / "run.json")["world_size"] == 2
+    assert [m["train/global_step"] for m in read_jsonl(job_dir / "metrics.jsonl")] == [1]
+
+
 def test_submitit_local_executor_runs_a_job_through_the_slurm_code_path(model_cache, tmp_path):
     proc, sweep_dir = run_sweep(tmp_path, model_cache, "hydra/launcher=torchrun_submitit_local", "logger=none",
                                 "trainer.vllm_tensor_parallel_size=1,2", "trainer.max_steps=1")  # fmt: skip

@@ -247,8 +247,7 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
         if records:
             job.save(**{k: v for k, v in record.items() if k not in dataclasses.asdict(job)})
     if job.status == "failed":
-        log.warning("#%d failed (exit code %s); last lines of %s:\n%s", job.num, exit_code, log_path,
-                    "\n".join(record["log_tail"][-10:]))  # fmt: skip
+        log.warning("#%d failed (exit code %s): %s; see %s", job.num, exit_code, record["error"], log_path)
     else:
         log.info("#%d %s in %.0f s", job.num, job.status, record["duration_s"])
     return record
