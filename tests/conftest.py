@@ -11,6 +11,7 @@ import pytest
 
 from colocated_grpo.processes import free_port
 from colocated_grpo.run_files import read_jsonl
+from colocated_grpo.sweep import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,6 +48,8 @@ def train(model_cache, tmp_path_factory):
         ]  # fmt: skip
         cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
         env = {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+        if nproc is None:  # a free rendezvous port instead of accelerate's/TRL's fixed 29500 (runs may overlap)
+            env["MASTER_PORT"] = str(free_port())
         proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
         run = Run(run_dir, proc)
         if check:

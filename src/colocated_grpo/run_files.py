@@ -80,6 +80,14 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: str | Path) -> dict | None:
+    """A JSON file's content, or None when it is missing or unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     """All complete lines of a JSONL file (a torn last line from a killed writer is skipped)."""
     records = []

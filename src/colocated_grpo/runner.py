@@ -142,9 +142,4 @@ def _hydra_output_dir() -> str:
 
 
 def _started(run_dir: Path) -> str | None:
-    import json
-
-    try:
-        return json.loads((run_dir / "run.json").read_text()).get("started")
-    except (OSError, ValueError):
-        return None
+    return (run_files.read_json(run_dir / "run.json") or {}).get("started")
