@@ -110,16 +110,17 @@ def test_summary_csv_has_one_row_per_job_with_the_runs_numbers(tiny_sweep):
     assert list(rows["status"]) == ["finished", "failed", "skipped", "skipped"]
     assert list(rows["overrides"])[0] == "trainer.vllm_tensor_parallel_size=2 data.max_operand=20"
     done = rows.iloc[0]
-    # steady state without telemetry: the steps after the first one, from metrics.jsonl
-    metrics = read_jsonl(jobs(sweep_dir)[0]["path"] / "metrics.jsonl")
+    # steady state from the run's telemetry: summary.json (step 1 left out as warm-up)
+    run_dir = jobs(sweep_dir)[0]["path"]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert [m["train/global_step"] for m in metrics] == [1, 2]
-    step_s = metrics[1]["step_time"]
-    assert done["timing_s/step"] == pytest.approx(step_s)
-    assert done["perf/tokens_per_s"] == pytest.approx((metrics[1]["num_tokens"] - metrics[0]["num_tokens"]) / step_s)
+    assert done["timing_s/step"] == pytest.approx(metrics[1]["timing_s/step"]) == pytest.approx(summary["timing_s/step"])
+    assert done["perf/tokens_per_s"] == pytest.approx(metrics[1]["perf/tokens_per_s"])
     assert done["perf/tokens_per_s_per_gpu"] == pytest.approx(done["perf/tokens_per_s"] / 2)
     assert done["perf/tokens_per_s_per_gpu"] > 0
     assert done["reward"] == pytest.approx(metrics[-1]["reward"]) and done["steps"] == 2
-    assert done["source"] == "metrics.jsonl"
+    assert done["source"] == "summary.json"
     assert rows.iloc[1]["note"].startswith("ValueError: empty range")
     assert "must divide the world size 2" in rows.iloc[2]["note"]
     assert pd.isna(rows.iloc[2]["timing_s/step"]) and pd.isna(rows.iloc[0]["memory/peak_gb"])
