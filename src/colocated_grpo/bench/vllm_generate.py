@@ -1,0 +1,63 @@
+"""Standalone vLLM generation throughput: the ceiling a colocated generation phase can be compared with.
+
+Builds one engine with the given memory share and TP size and generates a fixed batch of fixed-length completions
+(`ignore_eos` and `min_tokens`, so random weights cannot stop early), then prints tokens/s. Compare with a run's
+`perf/gen_tokens_per_s` at the same batch and memory share.
+
+    python -m colocated_grpo.bench.vllm_generate --model qwen2.5-1.5b-random --prompts 64 --completion 256 --mem 0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-0.5b-random", help="a conf/model option or a model directory")
+    parser.add_argument("--prompts", type=int, default=64, help="completions per batch (the GRPO generation batch)")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--completion", type=int, default=256, help="tokens generated per completion")
+    parser.add_argument("--mem", type=float, default=0.3, help="gpu_memory_utilization")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    from vllm import LLM, SamplingParams
+
+    path = resolve_model(args.model)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(model=path, gpu_memory_utilization=args.mem, tensor_parallel_size=args.tp,
+              max_model_len=args.prompt_tokens + args.completion + 8, seed=0)  # fmt: skip
+    params = SamplingParams(temperature=1.0, max_tokens=args.completion, min_tokens=args.completion, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(args.prompt_tokens)]} for i in range(args.prompts)]
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    for r in range(args.repeats):
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        print(f"repeat {r}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:,.0f} tokens/s "
+              f"({args.prompts} × {args.completion}, mem {args.mem}, TP {args.tp})", flush=True)  # fmt: skip
+
+
+def resolve_model(name: str) -> str:
+    """A conf/model option name (built if needed) or a path/hub id as is."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[3] / "conf"
+    if not (conf / "model" / f"{name}.yaml").exists():
+        return name
+    from colocated_grpo.models import resolve
+
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={name}"])
+    return resolve(cfg.model)
+
+
+if __name__ == "__main__":
+    main()
