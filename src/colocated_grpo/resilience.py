@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from colocated_grpo import checkpointing, redaction, run_files, wandb_resume
+from colocated_grpo import checkpointing, redaction, run_files, tracking, wandb_resume
 from colocated_grpo.preemption import StopOnSignal, TrainingInterrupted
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,15 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpointing.Resume
     tree = redaction.redact(OmegaConf.to_container(cfg, resolve=True))
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(tree)))
     redaction.scrub_files(run_dir / ".hydra")
+
+
+def start_tracking(cfg: DictConfig, run_dir: Path, metadata: dict, resume: checkpointing.Resume):
+    """Rank 0: start W&B, continuing this run's W&B run when resuming, with no step missing up to the checkpoint."""
+    wandb_run = tracking.start(cfg, run_dir, metadata, run_id=resume.wandb_id)
+    if wandb_run is not None and resume.resuming:
+        if backfilled := wandb_resume.backfill(wandb_run, run_dir, resume.step):
+            log.info("W&B: logged steps %s from metrics.jsonl (missing from the earlier segments)", backfilled)
+    return wandb_run
 
 
 class RunRecord:

@@ -62,7 +62,7 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
     record = resilience.RunRecord(run_dir, metadata, resume, write=main)
     if main:
         resilience.prepare_run_dir(cfg, run_dir, resume)
-    wandb_run = tracking.start(cfg, run_dir, metadata, run_id=resume.wandb_id) if main else None
+    wandb_run = resilience.start_tracking(cfg, run_dir, metadata, resume) if main else None
     record.start(wandb_run)
 
     stopper = preemption.StopOnSignal()

@@ -1,11 +1,16 @@
-"""The W&B side of a resumed run: the same run id, and every step logged once.
+"""The W&B side of a resumed run: the same run id, every step logged once, none missing.
 
 W&B writes each run segment (one per attempt) to a transaction log, `<wandb>/<offline-run-…-ID>/run-ID.wandb`, in
 LevelDB log format (32 KiB blocks of checksummed chunks) holding `wandb_internal_pb2.Record` messages; `wandb sync`
-uploads offline segments later, in order, as one run. A run killed after its last checkpoint has already logged
-the steps that the resumed attempt will log again. For offline segments, `rewind` cuts the transaction log back to
-the moment that checkpoint was saved, exactly as if the process had died right then, so the synced run holds
-every step once. Online segments are already on the server; their extra rows are reported, not removed.
+uploads offline segments later, in order, as one run. Two things go wrong when a process is killed:
+
+- it has logged steps after its last checkpoint, which the resumed attempt logs again: `rewind` cuts offline
+  segments back to the moment that checkpoint was saved, as if the process had died right then;
+- W&B writes the transaction log every few seconds, so the last steps before the kill may never reach it:
+  `backfill` logs the steps up to the checkpoint that metrics.jsonl (the source of truth) has and the earlier
+  segments lack into the new segment, before training continues.
+
+Online segments are already on the server; rows they hold beyond the checkpoint are reported, not removed.
 """
 
 from __future__ import annotations
@@ -131,6 +136,41 @@ def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict
                 count, run_id, step, segment.name,
             )  # fmt: skip
     return dropped
+
+
+def backfill(run, run_dir: Path, step: int) -> list[int]:
+    """Log into `run` (the new segment) the steps up to `step` that metrics.jsonl has and no earlier offline
+    segment kept; returns them. Skipped when an earlier segment was online (the server may hold rows we cannot see)."""
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    from colocated_grpo.run_files import read_jsonl
+
+    current = Path(run.dir).parent.name
+    earlier = [s for s in segments(Path(run_dir) / "wandb", run.id) if s.name != current]
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if any(not s.name.startswith("offline-") for s in earlier) or not metrics.exists():
+        return []
+    present = {
+        row[STEP_KEY]
+        for s in earlier
+        for log_file in s.glob(f"run-{run.id}.wandb")
+        for row in history(log_file)
+        if any(k.startswith("train/") and k != STEP_KEY for k in row)
+    }
+    logged = []
+    for record in read_jsonl(metrics):
+        s = record.get(STEP_KEY)
+        if s is None or s > step or s in present:
+            continue
+        values = {k: _number(v) for k, v in record.items() if k != STEP_KEY and v is not None}
+        run.log({**rewrite_logs(values), STEP_KEY: s})
+        logged.append(s)
+    return logged
+
+
+def _number(value):
+    """metrics.jsonl writes infinities as strings (JSON has none); W&B should get the numbers back."""
+    return float(value) if value in ("inf", "-inf") else value
 
 
 def read_marker(checkpoint: Path | None) -> dict | None:
