@@ -117,9 +117,15 @@ def lock(run_dir: Path):
     return held
 
 
-def plan(cfg: DictConfig, run_dir: Path) -> Resume:
-    """Decide how this attempt starts. Every rank calls this (read-only), so all of them agree."""
+def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
+    """Decide how this attempt starts, raising ResumeError where the run directory cannot be used as asked.
+
+    Rank 0 decides and checks; the other ranks only pick the same checkpoint (rank 0 may already be writing this
+    attempt's run.json, so they do not read it). When rank 0 refuses, torchrun stops the others.
+    """
     run_dir = Path(run_dir)
+    if not main:
+        return Resume(latest(run_dir) if OmegaConf.select(cfg, "run.resume", default="auto") == "auto" else None)
     previous = _read_json(run_dir / "run.json")
     if not previous and not (run_dir / "metrics.jsonl").exists():
         return Resume()

@@ -47,7 +47,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
 
 
 def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
-    resume = checkpointing.plan(cfg, run_dir)
+    resume = checkpointing.plan(cfg, run_dir, main)
     resume_command = resilience.resume_command(run_dir)
     _prepare_environment(cfg)
 

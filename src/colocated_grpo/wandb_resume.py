@@ -145,6 +145,8 @@ def backfill(run, run_dir: Path, step: int) -> list[int]:
 
     from colocated_grpo.run_files import read_jsonl
 
+    if getattr(run, "disabled", False):
+        return []
     current = Path(run.dir).parent.name
     earlier = [s for s in segments(Path(run_dir) / "wandb", run.id) if s.name != current]
     metrics = Path(run_dir) / "metrics.jsonl"
@@ -192,6 +194,6 @@ class RecordWandbStep(TrainerCallback):
 
         run = wandb.run
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if run is None or not checkpoint.is_dir():
+        if run is None or getattr(run, "disabled", False) or not checkpoint.is_dir():
             return
         write_json(checkpoint / MARKER, {"id": run.id, "segment": Path(run.dir).parent.name, "step": run.step})
