@@ -375,6 +375,30 @@ def test_trim_run_files_keeps_each_step_once(tmp_path):
     assert [r["train/global_step"] for r in read_jsonl(tmp_path / "rollouts.jsonl")] == [0, 1, 2, 3]
 
 
+def test_wandb_rewind_cuts_offline_segment_at_the_checkpoint(tmp_path):
+    import wandb
+
+    run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
+    marker = None
+    for step in range(1, 7):
+        run.log({"profiling/t": 0.1, "train/global_step": step - 1})  # TRL's profiling rows precede the step's row
+        run.log({"train/loss": float(step), "train/global_step": step})
+        if step == 3:
+            marker = {"segment": Path(run.dir).parent.name, "step": run.step}
+    run.finish()
+    (segment,) = wandb_resume.segments(tmp_path / "wandb", run.id)
+    log_file = next(segment.glob("*.wandb"))
+    original = log_file.read_bytes()
+
+    assert wandb_resume.rewind(tmp_path / "wandb", run.id, 3, marker) == {segment.name: 6}
+    rows = wandb_resume.history(log_file)
+    assert [r["train/global_step"] for r in rows] == [0, 1, 1, 2, 2, 3], "exact: nothing after the save"
+
+    log_file.write_bytes(original)  # without a marker: rows of later steps go, the profiling row of step 4 stays
+    assert wandb_resume.rewind(tmp_path / "wandb", run.id, 3, None) == {segment.name: 5}
+    assert [r["train/global_step"] for r in wandb_resume.history(log_file)] == [0, 1, 1, 2, 2, 3, 3]
+
+
 def test_redaction_of_credential_keys_and_environment_values(monkeypatch):
     monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-1234567890")
     tree = {"logger": {"api_key": "abc", "project": "p"}, "trainer": {"hub_token": None, "pad_token": "<pad>"},
@@ -384,6 +408,15 @@ def test_redaction_of_credential_keys_and_environment_values(monkeypatch):
         "trainer": {"hub_token": None, "pad_token": "<pad>"},
         "command": ["train.py", "+data.token=<redacted>", "note=<redacted>"],
     }
+
+
+def test_config_rejects_an_unknown_resume_mode_and_an_unimportable_reward_module():
+    from colocated_grpo.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg("run.resume=sometimes", "+reward.modules=[no_such_rewards_module]"), 1)
+    assert "run.resume='sometimes' must be one of ['auto', 'never']" in str(err.value)
+    assert "reward.modules: cannot import 'no_such_rewards_module' (ModuleNotFoundError" in str(err.value)
 
 
 def test_trust_remote_code_is_off_in_every_experiment():

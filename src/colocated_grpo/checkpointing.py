@@ -83,7 +83,7 @@ def _completed_step(path: Path) -> int | None:
 
 @dataclass
 class Resume:
-    """What this attempt continues from: nothing (a new run), step 0 of a run that never checkpointed, or a checkpoint."""
+    """Where this attempt starts: a new run, step 0 of a run that never checkpointed, or a checkpoint."""
 
     checkpoint: Checkpoint | None = None
     previous: dict = field(default_factory=dict)  # the previous attempt's run.json

@@ -98,44 +98,48 @@ def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict
     """Cut this run's offline segments back to checkpoint `step`; returns the history rows dropped per segment.
 
     With the checkpoint's marker the cut is exact: in the segment that saved it, before the first row logged after
-    it was saved; later segments lose every row. Without one (a checkpoint saved before W&B was on, or a run that
+    it was saved; later segments lose every row. Without one (a checkpoint saved while W&B was off, or a run that
     never checkpointed), rows after `step` go (all rows when step is 0).
     """
-    dropped: dict[str, int] = {}
-    marker_segment = (marker or {}).get("segment")
     order = [s.name for s in segments(wandb_dir, run_id)]
-    for segment in segments(wandb_dir, run_id):
-        log_file = segment / f"run-{run_id}.wandb"
-        if not log_file.exists():
-            continue
-        if marker_segment in order:
-            if order.index(segment.name) < order.index(marker_segment):
+    saved_in = (marker or {}).get("segment")
+    dropped: dict[str, int] = {}
+    for name in order:
+        if saved_in in order:
+            position, saver = order.index(name), order.index(saved_in)
+            if position < saver:
                 continue
-            first_dropped = (
-                (lambda row: row["_step"] >= marker["step"]) if segment.name == marker_segment else (lambda row: True)
-            )
+            first_dropped = _after_wandb_step(marker["step"]) if position == saver else (lambda row: True)
         else:
-            first_dropped = lambda row: step == 0 or (row.get(STEP_KEY) is not None and row[STEP_KEY] > step)  # noqa: E731
+            first_dropped = _after_train_step(step)
+        log_file = Path(wandb_dir) / name / f"run-{run_id}.wandb"
         cut, count = None, 0
-        for offset, record in records(log_file):
-            if record.WhichOneof("record_type") != "history":
-                continue
-            if cut is None and first_dropped(_row(record)):
-                cut = offset
-            count += cut is not None
+        for offset, record in records(log_file) if log_file.exists() else ():
+            if record.WhichOneof("record_type") == "history":
+                if cut is None and first_dropped(_row(record)):
+                    cut = offset
+                count += cut is not None
         if cut is None:
             continue
-        if segment.name.startswith("offline-"):
+        if name.startswith("offline-"):
             with open(log_file, "r+b") as f:
                 f.truncate(cut)
-            dropped[segment.name] = count
+            dropped[name] = count
         else:
             log.warning(
                 "W&B already holds %d rows that run %s logged after checkpoint %d (segment %s, online); they stay "
                 "in W&B. metrics.jsonl in the run directory has every step once.",
-                count, run_id, step, segment.name,
+                count, run_id, step, name,
             )  # fmt: skip
     return dropped
+
+
+def _after_wandb_step(wandb_step: int):
+    return lambda row: row["_step"] >= wandb_step
+
+
+def _after_train_step(step: int):
+    return lambda row: step == 0 or (row.get(STEP_KEY) is not None and row[STEP_KEY] > step)
 
 
 def backfill(run, run_dir: Path, step: int) -> list[int]:
