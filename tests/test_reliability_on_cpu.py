@@ -386,6 +386,7 @@ def test_wandb_rewind_cuts_offline_segment_at_the_checkpoint(tmp_path):
         if step == 3:
             marker = {"segment": Path(run.dir).parent.name, "step": run.step}
     run.finish()
+    wandb.teardown()  # the W&B service writes the file after finish() returns; teardown waits for it
     (segment,) = wandb_resume.segments(tmp_path / "wandb", run.id)
     log_file = next(segment.glob("*.wandb"))
     original = log_file.read_bytes()
