@@ -79,6 +79,14 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
             f"use one of {[d for d in _divisors(batch) if d >= 2]} or change the batch"
         )
 
+    for module in OmegaConf.select(cfg, "reward.modules") or []:
+        try:
+            rewards.load_modules([module])
+        except Exception as exc:
+            problems.append(
+                f"reward.modules: cannot import {module!r} ({type(exc).__name__}: {exc}); "
+                "its directory must be on PYTHONPATH"
+            )
     weights = OmegaConf.select(cfg, "reward.weights") or {}
     if not weights:
         problems.append(f"reward.weights is empty; name at least one of {sorted(rewards.REGISTRY)}")
@@ -87,6 +95,7 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
             problems.append(f"reward.weights.{name}: unknown reward '{name}'; registered: {sorted(rewards.REGISTRY)}")
 
     problems += _model_problems(cfg.model)
+    problems += _run_problems(cfg)
 
     if OmegaConf.select(cfg, "telemetry.enabled") and int(trainer.get("logging_steps", 500)) != 1:
         problems.append(
@@ -99,6 +108,18 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
 
     if problems:
         raise ConfigError(problems)
+
+
+def _run_problems(cfg: DictConfig) -> list[str]:
+    from colocated_grpo.checkpointing import RESUME_MODES
+
+    problems = []
+    resume = OmegaConf.select(cfg, "run.resume", default="auto")
+    if resume not in RESUME_MODES:
+        problems.append(f"run.resume={resume!r} must be one of {list(RESUME_MODES)}")
+    if not isinstance(OmegaConf.select(cfg, "run.stop_on_nonfinite", default=True), bool):
+        problems.append("run.stop_on_nonfinite must be true or false")
+    return problems
 
 
 def _unknown_trainer_keys(trainer: DictConfig) -> list[str]:

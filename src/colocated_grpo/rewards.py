@@ -3,11 +3,18 @@
 A reward is a pure function `f(completions: list[str], **columns) -> list[float | None]`: one score per
 completion, `None` where it does not apply (TRL then ignores it). `columns` are the dataset's columns (e.g.
 `answer`) and TRL's extras (`completion_ids`, ...). Math answers are checked with math-verify.
+
+Rewards of your own: decorate them with `@register` in a module of yours and name it in `reward.modules`
+(`+reward.modules=[my_rewards]`, importable from PYTHONPATH); they can then be used in `reward.weights`.
+A NaN or infinite score stops the run, naming the function and the sample (`run.stop_on_nonfinite`); return
+None, not NaN, where a reward does not apply.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import math
 import re
 from collections.abc import Callable
 
@@ -65,7 +72,17 @@ def length(completions: list[str], completion_ids: list[list[int]] | None = None
     return [max(0.0, 1.0 - abs(n - target) / target) for n in sizes]
 
 
+def load_modules(names) -> None:
+    """Import the modules named in `reward.modules`, so that the rewards they `@register` exist."""
+    for name in names or ():
+        importlib.import_module(str(name))
+
+
 class RewardError(RuntimeError):
+    pass
+
+
+class NonFiniteRewardError(RewardError):
     pass
 
 
@@ -76,8 +93,9 @@ def completion_text(completion) -> str:
     return "".join(m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant")
 
 
-def for_trl(name: str, params: dict | None = None) -> RewardFn:
-    """Adapt a registered reward to TRL's calling convention, naming the function and sample if it raises."""
+def for_trl(name: str, params: dict | None = None, check_finite: bool = True) -> RewardFn:
+    """Adapt a registered reward to TRL's calling convention, naming the function and sample if it raises (or,
+    with `check_finite`, if it returns NaN or an infinite score)."""
     fn = REGISTRY[name]
     params = dict(params or {})
 
@@ -85,24 +103,42 @@ def for_trl(name: str, params: dict | None = None) -> RewardFn:
     def reward(prompts, completions, **columns):
         texts = [completion_text(c) for c in completions]
         try:
-            return fn(texts, **columns, **params)
+            scores = fn(texts, **columns, **params)
         except Exception as exc:  # find the first failing sample so the message points at real data
             for i, text in enumerate(texts):
-                row = {k: v[i : i + 1] for k, v in columns.items() if isinstance(v, list) and len(v) == len(texts)}
                 try:
-                    fn([text], **row, **params)
+                    fn([text], **_row(columns, i, len(texts)), **params)
                 except Exception:
                     raise RewardError(
-                        f"reward '{name}' raised {type(exc).__name__}: {exc} on sample {i}: "
-                        f"completion={text[:200]!r} columns={ {k: v[0] for k, v in row.items()} }"
+                        f"reward '{name}' raised {type(exc).__name__}: {exc} on {_sample(texts, columns, i)}"
                     ) from exc
             raise RewardError(f"reward '{name}' raised {type(exc).__name__}: {exc}") from exc
+        if check_finite:
+            for i, score in enumerate(scores):
+                if score is not None and not math.isfinite(score):
+                    raise NonFiniteRewardError(
+                        f"reward '{name}' returned {score} for {_sample(texts, columns, i)}. A reward must be a "
+                        "finite number, or None where it does not apply (set run.stop_on_nonfinite=false to pass "
+                        "it on to TRL, which ignores NaN like None and turns inf into a NaN loss)"
+                    )
+        return scores
 
     return reward
 
 
-def build(reward_cfg) -> tuple[list[RewardFn], list[float]]:
+def _row(columns: dict, i: int, n: int) -> dict:
+    return {k: v[i : i + 1] for k, v in columns.items() if isinstance(v, list) and len(v) == n}
+
+
+def _sample(texts: list[str], columns: dict, i: int) -> str:
+    row = {k: v[0] for k, v in _row(columns, i, len(texts)).items() if k != "completion_ids"}
+    return f"sample {i}: completion={texts[i][:200]!r} columns={row}"
+
+
+def build(reward_cfg, check_finite: bool = True) -> tuple[list[RewardFn], list[float]]:
     """TRL reward functions and their weights from `reward.weights` (name -> weight) and `reward.params`."""
+    load_modules(reward_cfg.get("modules"))
     params = reward_cfg.get("params") or {}
     names = list(reward_cfg.weights)
-    return [for_trl(n, params.get(n)) for n in names], [float(reward_cfg.weights[n]) for n in names]
+    funcs = [for_trl(n, params.get(n), check_finite) for n in names]
+    return funcs, [float(reward_cfg.weights[n]) for n in names]

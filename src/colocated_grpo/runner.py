@@ -7,22 +7,51 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from colocated_grpo import config, data, models, rewards, rollouts, run_files, server, tracking
+from colocated_grpo import (
+    checkpointing,
+    config,
+    data,
+    guards,
+    models,
+    preemption,
+    resilience,
+    rewards,
+    rollouts,
+    run_files,
+    server,
+    tracking,
+    wandb_resume,
+)
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
-    """Train one GRPO job as configured; returns the run directory. Every rank calls this."""
+    """Train one GRPO job as configured; returns the run directory. Every rank calls this.
+
+    A run directory that already holds this run is resumed from its newest checkpoint (`run.resume`, see
+    checkpointing.py); SIGTERM or Ctrl-C saves a checkpoint and exits non-zero (preemption.py).
+    """
     run_dir = Path(run_dir or _hydra_output_dir()).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if server.is_launcher(cfg):
         return _launch_server_placement(cfg, run_dir)
     config.validate(cfg)
     main = run_files.is_main_process()
+    held = checkpointing.lock(run_dir) if main else None
+    try:
+        return _run(cfg, run_dir, main)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
+    resume = checkpointing.plan(cfg, run_dir, main)
+    resume_command = resilience.resume_command(run_dir)
     _prepare_environment(cfg)
 
     metadata = {
@@ -31,27 +60,42 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         "git": run_files.git_state(Path(__file__).resolve().parent),
         "versions": run_files.package_versions(),
         "command": sys.argv,
+        "overrides": resilience.hydra_overrides(),
     }
+    record = resilience.RunRecord(run_dir, metadata, resume, write=main)
     if main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        run_files.write_json(run_dir / "run.json", {**metadata, "status": "running", "started": run_files.now()})
+        resilience.prepare_run_dir(cfg, run_dir, resume)
+    wandb_run = resilience.start_tracking(cfg, run_dir, metadata, resume) if main else None
+    record.start(wandb_run)
 
-    wandb_run = tracking.start(cfg, run_dir, metadata) if main else None
-    status, exit_code = "failed", 1
+    stopper = preemption.StopOnSignal()
+    status, exit_code, error, interrupted = "failed", 1, None, None
     try:
-        trainer = build_trainer(cfg, run_dir)
-        trainer.train()
-        status, exit_code = "finished", 0
+        with stopper.installed():
+            trainer = _start_trainer(cfg, run_dir)
+            trainer.add_callback(wandb_resume.RecordWandbStep())
+            if cfg.run.get("stop_on_nonfinite", True):
+                trainer.add_callback(guards.StopOnNonFinite())
+            trainer.add_callback(stopper)
+            if stopper.signum is None:
+                checkpoint = resume.checkpoint
+                trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
+        interrupted = resilience.interruption(stopper, trainer.state, run_dir, resume_command)
+        status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
     except KeyboardInterrupt:
         status, exit_code = "interrupted", 130
         raise
+    except Exception as exc:
+        error = exc
+        raise
     finally:
         tracking.finish(wandb_run, exit_code)
+        record.end(status, error)
         _close_process_group()
+    if interrupted is not None:
         if main:
-            run_files.write_json(
-                run_dir / "run.json", {**metadata, "status": status, "started": _started(run_dir), "ended": run_files.now()}
-            )
+            log.error("%s", interrupted)
+        raise interrupted
     log.info("run finished: %s", run_dir)
     return run_dir
 
@@ -71,7 +115,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
 
     model_path = models.resolve(cfg.model)
     train_dataset = data.build(cfg.data)
-    reward_funcs, _ = rewards.build(cfg.reward)
+    reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.get("stop_on_nonfinite", True)))
     if run_files.is_main_process():
         reward_funcs[0] = rollouts.recording(reward_funcs[0], run_dir)
     report_to = ["wandb"] if cfg.logger.backend == "wandb" and run_files.is_main_process() else []
@@ -130,16 +174,21 @@ def _close_process_group() -> None:
 
 
 def _user_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
+    return [o for o in resilience.hydra_overrides() or [] if not o.startswith("hydra.run.dir=")]
 
-    return [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
+
+def _start_trainer(cfg: DictConfig, run_dir: Path):
+    """build_trainer, with memory failures of vLLM's start-up explained in terms of our config keys."""
+    try:
+        return build_trainer(cfg, run_dir)
+    except Exception as exc:
+        explained = guards.explain_startup_error(exc, cfg)
+        if explained is None:
+            raise
+        raise explained from exc
 
 
 def _hydra_output_dir() -> str:
     from hydra.core.hydra_config import HydraConfig
 
     return HydraConfig.get().runtime.output_dir
-
-
-def _started(run_dir: Path) -> str | None:
-    return (run_files.read_json(run_dir / "run.json") or {}).get("started")

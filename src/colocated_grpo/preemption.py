@@ -1,0 +1,90 @@
+"""Stop cleanly on SIGTERM (SLURM preemption; torchrun forwards it to every worker) and on Ctrl-C (SIGINT).
+
+The handler only records the signal. At the end of the current optimiser step every rank learns whether any rank
+got one (a one-number all-reduce), and together they save a checkpoint and stop; the runner then flushes the run
+files, finishes W&B and exits with 128 + the signal number and a message saying how to resume. A second signal
+more than a few seconds after the first stops at once, without a checkpoint (a repeat within that window is the
+same Ctrl-C delivered twice: by the terminal and by torchrun, which forwards what it receives).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from contextlib import contextmanager
+
+from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 5.0
+
+
+class TrainingInterrupted(SystemExit):
+    """Training stopped on a signal; the exit status is 128 + signal number and str() says how to resume."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(128 + signum)
+        self.signum, self.message = signum, message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StopOnSignal(TrainerCallback):
+    def __init__(self):
+        self.signum: int | None = None  # the signal this process received, or that another rank reported
+        self.stopped_at: int | None = None  # the step after which training stopped for it
+        self._first_at = 0.0
+        self._previous: dict[int, object] = {}
+
+    @contextmanager
+    def installed(self):
+        """Handle SIGTERM/SIGINT while the block runs (main thread only); the previous handlers come back after."""
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum, self._first_at = signum, time.monotonic()
+            log.warning(
+                "%s received: saving a checkpoint and stopping at the end of the current step "
+                "(send it again after %.0f s to stop at once, without a checkpoint)", name, REPEAT_WINDOW_S,
+            )  # fmt: skip
+            return
+        if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+            return
+        log.warning("%s received again: stopping now, without a checkpoint", name)
+        self._restore()
+        signal.raise_signal(signum)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = _max_over_ranks(self.signum or 0, args)
+        if signum:
+            self.signum = self.signum or signum
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+
+
+def _max_over_ranks(value: int, args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([value], dtype=torch.int64, device=args.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())

@@ -1,0 +1,203 @@
+"""The W&B side of a resumed run: the same run id, every step logged once, none missing.
+
+W&B writes each run segment (one per attempt) to a transaction log, `<wandb>/<offline-run-…-ID>/run-ID.wandb`, in
+LevelDB log format (32 KiB blocks of checksummed chunks) holding `wandb_internal_pb2.Record` messages; `wandb sync`
+uploads offline segments later, in order, as one run. Two things go wrong when a process is killed:
+
+- it has logged steps after its last checkpoint, which the resumed attempt logs again: `rewind` cuts offline
+  segments back to the moment that checkpoint was saved, as if the process had died right then;
+- W&B writes the transaction log every few seconds, so the last steps before the kill may never reach it:
+  `backfill` logs the steps up to the checkpoint that metrics.jsonl (the source of truth) has and the earlier
+  segments lack into the new segment, before training continues.
+
+Online segments are already on the server; rows they hold beyond the checkpoint are reported, not removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from colocated_grpo.run_files import write_json
+
+log = logging.getLogger(__name__)
+
+MARKER = "wandb_step.json"  # written into each checkpoint: which W&B segment saved it, at which W&B step
+STEP_KEY = "train/global_step"
+
+_BLOCK, _CHUNK_HEADER, _FILE_HEADER = 32768, 7, 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def records(path: Path) -> Iterator[tuple[int, object]]:
+    """(byte offset where the record starts, Record) for every complete record of a W&B transaction log."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        return
+    pos, start, parts = _FILE_HEADER, None, []
+    while pos + _CHUNK_HEADER <= len(data):
+        room = _BLOCK - pos % _BLOCK
+        if room < _CHUNK_HEADER:  # block trailer padding
+            pos += room
+            continue
+        _crc, length, kind = struct.unpack_from("<IHB", data, pos)
+        end = pos + _CHUNK_HEADER + length
+        if kind not in (_FULL, _FIRST, _MIDDLE, _LAST) or end > len(data):
+            return  # zero padding or a chunk torn by a killed writer: nothing complete follows
+        chunk = data[pos + _CHUNK_HEADER : end]
+        if kind in (_FULL, _FIRST):
+            start, parts = pos, [chunk]
+        else:
+            parts.append(chunk)
+        pos = end
+        if kind in (_FULL, _LAST) and start is not None:
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(b"".join(parts))
+            except DecodeError:
+                return
+            yield start, record
+            start, parts = None, []
+
+
+def history(path: Path) -> list[dict]:
+    """The history rows of one transaction log: {"_step": n, key: value, ...} in the order they were logged."""
+    rows = []
+    for _, record in records(path):
+        if record.WhichOneof("record_type") == "history":
+            rows.append(_row(record))
+    return rows
+
+
+def _row(record) -> dict:
+    row = {"_step": record.history.step.num}
+    for item in record.history.item:
+        key = item.key or "/".join(item.nested_key)
+        try:
+            row[key] = json.loads(item.value_json)
+        except ValueError:
+            row[key] = item.value_json
+    return row
+
+
+def segments(wandb_dir: Path, run_id: str) -> list[Path]:
+    """This run's segment directories (offline-run-… and run-…), oldest first."""
+    found = [p for p in Path(wandb_dir).glob(f"*run-*-{run_id}") if p.is_dir()]
+    return sorted(found, key=lambda p: p.name.split("-")[-2])  # offline-run-YYYYMMDD_HHMMSS-ID
+
+
+def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict[str, int]:
+    """Cut this run's offline segments back to checkpoint `step`; returns the history rows dropped per segment.
+
+    With the checkpoint's marker the cut is exact: in the segment that saved it, before the first row logged after
+    it was saved; later segments lose every row. Without one (a checkpoint saved while W&B was off, or a run that
+    never checkpointed), rows after `step` go (all rows when step is 0).
+    """
+    order = [s.name for s in segments(wandb_dir, run_id)]
+    saved_in = (marker or {}).get("segment")
+    dropped: dict[str, int] = {}
+    for name in order:
+        if saved_in in order:
+            position, saver = order.index(name), order.index(saved_in)
+            if position < saver:
+                continue
+            first_dropped = _after_wandb_step(marker["step"]) if position == saver else (lambda row: True)
+        else:
+            first_dropped = _after_train_step(step)
+        log_file = Path(wandb_dir) / name / f"run-{run_id}.wandb"
+        cut, count = None, 0
+        for offset, record in records(log_file) if log_file.exists() else ():
+            if record.WhichOneof("record_type") == "history":
+                if cut is None and first_dropped(_row(record)):
+                    cut = offset
+                count += cut is not None
+        if cut is None:
+            continue
+        if name.startswith("offline-"):
+            with open(log_file, "r+b") as f:
+                f.truncate(cut)
+            dropped[name] = count
+        else:
+            log.warning(
+                "W&B already holds %d rows that run %s logged after checkpoint %d (segment %s, online); they stay "
+                "in W&B. metrics.jsonl in the run directory has every step once.",
+                count, run_id, step, name,
+            )  # fmt: skip
+    return dropped
+
+
+def _after_wandb_step(wandb_step: int):
+    return lambda row: row["_step"] >= wandb_step
+
+
+def _after_train_step(step: int):
+    return lambda row: step == 0 or (row.get(STEP_KEY) is not None and row[STEP_KEY] > step)
+
+
+def backfill(run, run_dir: Path, step: int) -> list[int]:
+    """Log into `run` (the new segment) the steps up to `step` that metrics.jsonl has and no earlier offline
+    segment kept; returns them. Skipped when an earlier segment was online (the server may hold rows we cannot see)."""
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    from colocated_grpo.run_files import read_jsonl
+
+    if getattr(run, "disabled", False):
+        return []
+    current = Path(run.dir).parent.name
+    earlier = [s for s in segments(Path(run_dir) / "wandb", run.id) if s.name != current]
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if any(not s.name.startswith("offline-") for s in earlier) or not metrics.exists():
+        return []
+    present = {
+        row[STEP_KEY]
+        for s in earlier
+        for log_file in s.glob(f"run-{run.id}.wandb")
+        for row in history(log_file)
+        if any(k.startswith("train/") and k != STEP_KEY for k in row)
+    }
+    logged = []
+    for record in read_jsonl(metrics):
+        s = record.get(STEP_KEY)
+        if s is None or s > step or s in present:
+            continue
+        values = {k: _number(v) for k, v in record.items() if k != STEP_KEY and v is not None}
+        run.log({**rewrite_logs(values), STEP_KEY: s})
+        logged.append(s)
+    return logged
+
+
+def _number(value):
+    """metrics.jsonl writes infinities as strings (JSON has none); W&B should get the numbers back."""
+    return float(value) if value in ("inf", "-inf") else value
+
+
+def read_marker(checkpoint: Path | None) -> dict | None:
+    if checkpoint is None:
+        return None
+    try:
+        return json.loads((Path(checkpoint) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class RecordWandbStep(TrainerCallback):
+    """On rank 0, note in each checkpoint the W&B segment and step at which it was saved (see `rewind`)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        import wandb
+
+        run = wandb.run
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if run is None or getattr(run, "disabled", False) or not checkpoint.is_dir():
+            return
+        write_json(checkpoint / MARKER, {"id": run.id, "segment": Path(run.dir).parent.name, "step": run.step})
