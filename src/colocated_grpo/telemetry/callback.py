@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from colocated_grpo.run_files import JsonlWriter, write_json
+from colocated_grpo.run_files import JsonlWriter, read_jsonl, write_json
 from colocated_grpo.server import SERVER_GPUS_ENV
 from colocated_grpo.telemetry import aggregate, hooks, nvml
 from colocated_grpo.telemetry.phases import PhaseTracker
@@ -40,7 +40,10 @@ class MetricsFileCallback(TrainerCallback):
             write_json(self.run_dir / "trainer_summary.json", {"train/global_step": state.global_step, **logs})
             return
         if self.writer is None:
-            self.writer = JsonlWriter(self.run_dir / "metrics.jsonl")
+            path = self.run_dir / "metrics.jsonl"
+            # a resumed run keeps the steps before its checkpoint (the file was cut back to them) in its summary
+            self.records = read_jsonl(path) if path.exists() else []
+            self.writer = JsonlWriter(path)
         record = {"train/global_step": state.global_step, **logs}
         for extra in self.extras:
             record.update(extra())
