@@ -28,6 +28,7 @@
 # %% tags=["parameters"]
 run_dir = None  # a run directory; None: the newest one in outputs/runs/
 wandb_run = None  # "entity/project/run_id": read the metrics from the W&B API instead of run_dir
+timeline_steps = None  # (first, last): the GPU timeline of these train/global_steps only; None: all
 figures_dir = None  # also write the figures there as PNGs
 
 # %%
@@ -57,7 +58,7 @@ pd.Series(summary, name="steady state").to_frame()
 # over the phases of the rank that sampled it. Without NVML (CPU) only the phases of each rank are drawn.
 
 # %%
-figures.add("gpu_timeline", plots.gpu_timeline(samples, phases))
+figures.add("gpu_timeline", plots.gpu_timeline(samples, phases, steps=timeline_steps))
 
 # %% [markdown]
 # ## Rewards and completion lengths

@@ -147,6 +147,11 @@ def test_timeline_draws_each_gpu_over_the_phases_of_the_rank_that_sampled_it(run
         assert abs((got["end"] - got["start"]).sum() - real.sum()) <= 2 * 0.01 * pieces + 1e-9
     fig.savefig(tmp_path / "timeline.png")
     assert imread(tmp_path / "timeline.png").shape[0] > 300
+    # zoomed on one step: only its samples, phases and step line
+    zoom = plots.gpu_timeline(samples, phases, steps=(2, 2))
+    step2 = samples[(samples["gpu"] == "0") & (samples["train/global_step"] == 2)]
+    np.testing.assert_allclose(zoom.axes[0].get_lines()[0].get_ydata(), step2["util"])
+    assert [t.get_text() for t in zoom.axes[0].texts] == ["2"]
 
 
 def test_training_curves_plot_the_logged_rewards_and_lengths_against_the_global_step(run_dir):
@@ -256,8 +261,10 @@ def test_run_notebook_executes_headless_from_the_script(run_dir, tmp_path):
     figures = tmp_path / "figures"
     out = tmp_path / "run.executed.ipynb"
     subprocess.run([sys.executable, "-m", "colocated_grpo.notebook", str(NOTEBOOKS / "run.py"), f"run_dir={run_dir}",
-                    f"figures_dir={figures}", "-o", str(out)], cwd=tmp_path, check=True, timeout=300)  # fmt: skip
+                    "timeline_steps=(2, 3)", f"figures_dir={figures}", "-o", str(out)], cwd=tmp_path, check=True,
+                   timeout=300)  # fmt: skip
     nb = nbformat.read(out, 4)
+    assert "timeline_steps = (2, 3)\n" in nb.cells[2].source
     assert figure_outputs(nb) == 3
     assert_pngs(figures.glob("*.png"), ["gpu_timeline", "training_curves", "step_phases"])
     table = next(o for c in nb.cells for o in c.get("outputs", []) if "text/html" in o.get("data", {}))

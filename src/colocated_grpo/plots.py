@@ -85,7 +85,7 @@ def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu") -> Figur
 
 def step_breakdown(jobs) -> Figure:
     """Each job's steady-state step time as a bar stacked by phase (timing_s/<phase>); a job whose run logged no
-    phase timings gets one grey bar of its step time."""
+    phase timings gets one grey bar of its step time; a job that did not finish says so in its label."""
     done = jobs[jobs["timing_s/step"].notna()].reset_index(drop=True)
     fig = Figure(figsize=(9.0, 1.6 + 0.45 * max(1, len(done))), layout="constrained")
     ax = fig.subplots()
@@ -93,7 +93,9 @@ def step_breakdown(jobs) -> Figure:
         _note(ax, "no job with step timings in this sweep")
         return fig
     _stack_phases(ax, list(range(len(done))), done, horizontal=True)
-    ax.set_yticks(range(len(done)), [_job_label(row) for _, row in done.iterrows()])
+    labels = [_job_label(row) + ("" if row["status"] == "finished" else f" ({row['status']})")
+              for _, row in done.iterrows()]  # fmt: skip
+    ax.set_yticks(range(len(done)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step (steady state)")
     ax.set_title("step time by phase")
@@ -113,6 +115,8 @@ def peak_memory(jobs) -> Figure:
     for (placement, tp), line in measured.groupby(["placement", TP], sort=True):
         line = line.groupby(MEMORY)["memory/peak_gb"].mean().sort_index()
         ax.plot(line.index, line.values, marker="o", label=f"{placement}, TP {int(tp)}")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("vllm_gpu_memory_utilization")
     ax.set_ylabel("peak GPU memory (GB, any GPU)")
     ax.set_title("peak memory vs gpu_memory_utilization")
@@ -173,10 +177,14 @@ def sweep_figures(jobs) -> dict[str, Figure]:
 # --------------------------------------------------------------------------------------------------------- run
 
 
-def gpu_timeline(samples, phases) -> Figure:
+def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figure:
     """One panel per GPU: NVML utilisation (and memory, dashed) over time, shaded by the phase that the rank which
     sampled it was in; thin lines where steps begin. Without GPU samples (no NVML) the phases of each rank are
-    drawn alone, with the note."""
+    drawn alone, with the note. `steps=(first, last)`: only those train/global_steps (a long run's timeline is
+    too dense to read whole)."""
+    if steps is not None:
+        samples = samples[samples["train/global_step"].between(*steps)]
+        phases = phases[phases["train/global_step"].between(*steps)]
     origin = min([frame[column].min() for frame, column in ((samples, "t"), (phases, "start")) if len(frame)],
                  default=0.0)  # fmt: skip
     rows = _gpu_order(samples["gpu"].unique()) if len(samples) else sorted(phases["rank"].unique())
@@ -203,9 +211,10 @@ def gpu_timeline(samples, phases) -> Figure:
             ax.set_ylabel(f"rank {row}")
         if len(phases):
             starts = phases.groupby("train/global_step")["start"].min() - origin
-            for step, start in starts.items():
+            every = max(1, len(starts) // 30)  # at most ~30 step numbers on a long run
+            for i, (step, start) in enumerate(starts.items()):
                 ax.axvline(start, color="#444444", linewidth=0.6, alpha=0.6)
-                if ax is axes[0]:
+                if ax is axes[0] and i % every == 0:
                     ax.annotate(str(step), (start, 1), xycoords=("data", "axes fraction"), fontsize=7,
                                 xytext=(2, 2), textcoords="offset points", va="bottom")  # fmt: skip
     handles = [Patch(color=PHASE_COLORS[p], alpha=0.5, label=p) for p in PHASES if p in set(phases.get("phase", []))]
