@@ -200,6 +200,11 @@ def test_heatmap_shows_the_sparse_grid_with_why_cells_are_empty(sweep_dir):
     assert np.isnan(np.ma.filled(grid[1].astype(float), np.nan)).all()
     texts = [t.get_text() for t in ax.texts]
     assert texts.count("skipped") == 2
+    # the best cell is framed: the most tokens/s, the shortest step
+    for metric, best in (("perf/tokens_per_s_per_gpu", max), ("timing_s/step", min)):
+        (frame,) = plots.throughput_heatmap(jobs, metric=metric).axes[0].patches
+        j = list(done[metric]).index(best(done[metric]))
+        assert frame.get_xy() == (j - 0.5, -0.5)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "4"]
     # a hole in the grid (a cell without any job) stays blank; a grid with no colocated job is a note
     holed = plots.throughput_heatmap(jobs.drop(index=jobs.index[-1]))

@@ -10,10 +10,10 @@ Run (analysis.load_run, load_gpu_samples, load_phases):
     training_curves       reward (and each reward function) and completion length against train/global_step
     step_phases           each step's time, stacked by phase
 
-Every function returns a matplotlib Figure (no pyplot state: safe in scripts and notebooks alike, where
-`display(fig)` shows it) and draws a note instead of failing where the data is missing: no GPU samples on a machine
-without NVML, no server job in a sweep, a sparse grid. The notebooks in notebooks/ and
-`python -m colocated_grpo.analysis render DIR` call the same functions.
+Every function returns a matplotlib Figure (no pyplot state: safe in scripts and notebooks alike; in a notebook,
+after `%matplotlib inline`, a cell ending in a figure shows it) and draws a note instead of failing where the data
+is missing: no GPU samples on a machine without NVML, no server job in a sweep, a sparse grid. The notebooks in
+notebooks/ and `python -m colocated_grpo.analysis render DIR` call the same functions.
 """
 
 from __future__ import annotations
@@ -42,10 +42,14 @@ NO_NVML = "no GPU samples (no NVML)"
 # ------------------------------------------------------------------------------------------------------- sweep
 
 
-def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu") -> Figure:
+def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu",
+                       higher_is_better: bool | None = None) -> Figure:  # fmt: skip
     """`metric` of the finished colocated jobs over vLLM TP (rows) × gpu_memory_utilization (columns); the mean
-    where several jobs share a cell, the best cell framed. Cells without a number say why (skipped, failed, no
-    data); cells with no job stay blank."""
+    where several jobs share a cell, the best cell framed (the highest, or the lowest for times and memory unless
+    `higher_is_better` says). Cells without a number say why (skipped, failed, no data); cells with no job stay
+    blank."""
+    if higher_is_better is None:
+        higher_is_better = not metric.startswith(("timing_s/", "memory/"))
     grid = jobs[jobs["placement"].isin(COLOCATED) & jobs[TP].notna() & jobs[MEMORY].notna()]
     placements = [p for p in COLOCATED if p in set(grid["placement"])]
     fig = Figure(figsize=(1.5 + 4.5 * max(1, len(placements)), 4.0), layout="constrained")
@@ -72,7 +76,7 @@ def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu") -> Figur
             for j, label in enumerate(row):
                 ax.text(j, i, label, ha="center", va="center", fontsize=9, color=_text_color(image, values[i][j]))
         if finite:
-            _, i, j = max(finite)
+            _, i, j = max(finite) if higher_is_better else min(finite)
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
             fig.colorbar(image, ax=ax, label=metric)
         ax.set_xticks(range(len(memories)), [f"{m:g}" for m in memories])
@@ -239,10 +243,11 @@ def training_curves(metrics) -> Figure:
     if "reward" in metrics:
         reward_ax.plot(step, metrics["reward"], marker="o", color="black", label="reward")
         if "reward_std" in metrics:
-            reward_ax.fill_between(step, metrics["reward"] - metrics["reward_std"], metrics["reward"] + metrics["reward_std"],
-                                   color="black", alpha=0.1, label="reward ± std")  # fmt: skip
+            low, high = metrics["reward"] - metrics["reward_std"], metrics["reward"] + metrics["reward_std"]
+            reward_ax.fill_between(step, low, high, color="black", alpha=0.1, label="reward ± std")
         for column in sorted(c for c in metrics.columns if c.startswith("rewards/") and c.endswith("/mean")):
-            reward_ax.plot(step, metrics[column], marker=".", label=column.removeprefix("rewards/").removesuffix("/mean"))
+            name = column.removeprefix("rewards/").removesuffix("/mean")
+            reward_ax.plot(step, metrics[column], marker=".", label=name)
         reward_ax.legend(fontsize=8)
     else:
         _note(reward_ax, "no reward logged")
