@@ -1,4 +1,5 @@
-"""Shared helpers: run the real `train.py` (python or torchrun) in a subprocess, on CPU, into a temp run dir."""
+"""Shared helpers: run the real `train.py` (python or torchrun, or a sweep with -m) in a subprocess, on CPU, into
+a temp directory."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 
 from colocated_grpo.processes import free_port
 from colocated_grpo.run_files import read_jsonl
-from colocated_grpo.sweep import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,30 @@ class Run:
 
 
 @pytest.fixture(scope="session")
-def train(model_cache, tmp_path_factory):
+def run_env(model_cache) -> dict:
+    """The environment of a run or sweep in the tests: the session's model cache, W&B offline, unbuffered output."""
+    return {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def run_sweep(run_env, tmp_path_factory):
+    """run_sweep(*overrides, timeout=600) -> (the finished `python train.py -m hydra.sweep.dir=TMP/sweep
+    OVERRIDES…` process, the sweep directory)."""
+
+    def _run_sweep(*overrides: str, timeout: int = 600):
+        tmp = tmp_path_factory.mktemp("sweep")
+        sweep_dir = tmp / "sweep"
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides],
+            cwd=tmp, env=run_env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        return proc, sweep_dir
+
+    return _run_sweep
+
+
+@pytest.fixture(scope="session")
+def train(run_env, tmp_path_factory):
     """train(*overrides, nproc=None) -> Run. nproc=None runs `python train.py`, else `torchrun --nproc_per_node`."""
 
     def _train(*overrides: str, nproc: int | None = None, timeout: int = 900, check: bool = True) -> Run:
@@ -47,7 +70,7 @@ def train(model_cache, tmp_path_factory):
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"
         ]  # fmt: skip
         cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
-        env = {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+        env = dict(run_env)
         if nproc is None:  # a free rendezvous port instead of accelerate's/TRL's fixed 29500 (runs may overlap)
             env["MASTER_PORT"] = str(free_port())
         proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)

@@ -24,20 +24,6 @@ from colocated_grpo.run_files import read_json, read_jsonl
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_sweep(tmp_path: Path, model_cache: Path, *overrides: str, timeout: int = 600):
-    """`python train.py -m hydra.sweep.dir=TMP/sweep OVERRIDES…` → (the finished process, the sweep directory)."""
-    sweep_dir = tmp_path / "sweep"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides],
-        cwd=tmp_path, env=_env(model_cache), capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    return proc, sweep_dir
-
-
-def _env(model_cache: Path) -> dict:
-    return {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-
-
 def jobs(sweep_dir: Path) -> dict[int, dict]:
     """job number → job.json, with the job directory under "path"."""
     found = {}
@@ -56,8 +42,8 @@ TINY_SWEEP = ("trainer.vllm_tensor_parallel_size=2,4", "data.max_operand=20,-1",
 
 
 @pytest.fixture(scope="module")
-def tiny_sweep(model_cache, tmp_path_factory):
-    proc, sweep_dir = run_sweep(tmp_path_factory.mktemp("tiny-sweep"), model_cache, *TINY_SWEEP)
+def tiny_sweep(run_sweep):
+    proc, sweep_dir = run_sweep(*TINY_SWEEP)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc, sweep_dir
 
@@ -163,11 +149,11 @@ def test_wandb_runs_share_the_sweep_group_and_are_named_by_their_overrides(tiny_
 # ------------------------------------------------------------------------------------------------ Ctrl-C
 
 
-def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(model_cache, tmp_path):
+def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(run_env, tmp_path):
     sweep_dir = tmp_path / "sweep"
     cmd = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", "seed=0,1",
            "trainer.max_steps=500", "logger=none", "hydra.launcher.stop_grace_s=20"]  # fmt: skip
-    parent = subprocess.Popen(cmd, cwd=tmp_path, env=_env(model_cache), stdout=subprocess.PIPE,
+    parent = subprocess.Popen(cmd, cwd=tmp_path, env=run_env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
@@ -265,12 +251,11 @@ def test_named_sweeps_define_their_grid_and_use_the_torchrun_launcher(name, para
     assert cfg.hydra.launcher._target_.endswith("torchrun_launcher.TorchrunLauncher")
 
 
-def test_dry_run_plans_the_gpu_sweep_and_skips_what_two_gpus_cannot_run(model_cache, tmp_path):
+def test_dry_run_plans_the_gpu_sweep_and_skips_what_two_gpus_cannot_run(run_sweep):
     """tp_x_gpu_mem for random Qwen2.5-1.5B shapes (12 heads, 2 KV heads) on 2 GPUs: TP 1 and 2 are planned,
     TP 4 and 8 skipped with the reason; nothing is launched."""
-    proc, sweep_dir = run_sweep(tmp_path, model_cache, "+experiment=gpu_smoke", "model=qwen2.5-1.5b-random",
-                                "parallelism.nproc_per_node=2", "+sweep=tp_x_gpu_mem",
-                                "hydra.launcher.dry_run=true")  # fmt: skip
+    proc, sweep_dir = run_sweep("+experiment=gpu_smoke", "model=qwen2.5-1.5b-random", "parallelism.nproc_per_node=2",
+                                "+sweep=tp_x_gpu_mem", "hydra.launcher.dry_run=true")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     by_num = jobs(sweep_dir)
     assert len(by_num) == 16
@@ -282,10 +267,10 @@ def test_dry_run_plans_the_gpu_sweep_and_skips_what_two_gpus_cannot_run(model_ca
     assert not list(sweep_dir.glob("*/job.log"))
 
 
-def test_dry_run_of_placement_skips_what_a_machine_without_gpu_cannot_run(model_cache, tmp_path):
+def test_dry_run_of_placement_skips_what_a_machine_without_gpu_cannot_run(run_sweep):
     import torch
 
-    proc, sweep_dir = run_sweep(tmp_path, model_cache, "+sweep=placement", "hydra.launcher.dry_run=true")
+    proc, sweep_dir = run_sweep("+sweep=placement", "hydra.launcher.dry_run=true")
     assert proc.returncode == 0, proc.stderr[-4000:]
     by_num = jobs(sweep_dir)
     assert [by_num[n]["swept"] for n in range(4)] == [
@@ -354,7 +339,7 @@ def test_slurm_tasks_get_one_sbatch_job_and_a_torchrun_per_node(tmp_path, monkey
     assert env["SLURM_JOB_ID"] == "4242" and env["PYTHONUNBUFFERED"] == "1"
 
 
-def test_two_slurm_tasks_form_one_multi_node_torchrun(model_cache, tmp_path):
+def test_two_slurm_tasks_form_one_multi_node_torchrun(run_env, tmp_path):
     """What the two tasks of a 2-node SLURM job run, both on this machine: each starts torchrun for its node with
     the rendezvous taken from SLURM's environment, and the two meet as one world of 2 ranks that trains."""
     job = sweep.Job(0, ["trainer.max_steps=1", "trainer.per_device_train_batch_size=2", "logger=none"], [],
@@ -365,7 +350,7 @@ def test_two_slurm_tasks_form_one_multi_node_torchrun(model_cache, tmp_path):
              "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost"}  # fmt: skip
     tasks = [
         subprocess.Popen([sys.executable, "-c", task, json.dumps(job.record()), str(REPO / "train.py")], cwd=tmp_path,
-                         env={**_env(model_cache), **slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)})
+                         env={**run_env, **slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)})
         for node in (0, 1)
     ]  # fmt: skip
     try:
@@ -381,8 +366,8 @@ def test_two_slurm_tasks_form_one_multi_node_torchrun(model_cache, tmp_path):
     assert [m["train/global_step"] for m in read_jsonl(job_dir / "metrics.jsonl")] == [1]
 
 
-def test_submitit_local_executor_runs_a_job_through_the_slurm_code_path(model_cache, tmp_path):
-    proc, sweep_dir = run_sweep(tmp_path, model_cache, "hydra/launcher=torchrun_submitit_local", "logger=none",
+def test_submitit_local_executor_runs_a_job_through_the_slurm_code_path(run_sweep):
+    proc, sweep_dir = run_sweep("hydra/launcher=torchrun_submitit_local", "logger=none",
                                 "trainer.vllm_tensor_parallel_size=1,2", "trainer.max_steps=1")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     by_num = jobs(sweep_dir)

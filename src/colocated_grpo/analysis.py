@@ -1,19 +1,26 @@
-"""Load runs and sweeps for tables, notebooks and tests.
+"""Load runs and sweeps into pandas, for tables, notebooks, figures and tests.
 
 A run directory is the source of truth (see run_files). Its steady-state numbers come from `summary.json` when the
 run wrote one (phase timings, throughput, GPU utilisation per phase, peak memory) and otherwise from what
 `metrics.jsonl` holds: TRL's `step_time` after the first step, the growth of `num_tokens`, the last `reward`.
+Per step: `load_run` (metrics.jsonl), `load_gpu_samples` (gpu_samples.jsonl) and `load_phases` (phases.jsonl: what
+each rank did when).
 
 A sweep directory holds one job directory per job, each with `job.json` (written by the sweep launcher: overrides,
-status, exit code, the last lines of its log) and, once it ran, the run files.
+status, exit code, the last lines of its log) and, once it ran, the run files. `load_sweep` makes one row per job,
+with its placement (vLLM TP, gpu_memory_utilization, GPUs used) beside its numbers.
 
-    python -m colocated_grpo.analysis SWEEP_DIR     # print the summary table and rewrite SWEEP_DIR/summary.csv
+With network and a W&B account, `load_wandb_run` and `load_wandb_sweep` read the same frames from the W&B API.
+
+    python -m colocated_grpo.analysis SWEEP_DIR                # print the summary table, rewrite SWEEP_DIR/summary.csv
+    python -m colocated_grpo.analysis render DIR [--out OUT]   # a sweep's or a run's figures as PNGs (DIR/figures)
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from colocated_grpo.run_files import read_json, read_jsonl
@@ -21,19 +28,28 @@ from colocated_grpo.run_files import read_json, read_jsonl
 # Steady-state means that a run's summary.json holds (telemetry), in the metric names of the W&B run.
 SUMMARY_KEYS = (
     "timing_s/step", "timing_s/generate", "timing_s/sync_weights", "timing_s/reward", "timing_s/train",
-    "perf/tokens_per_s", "perf/tokens_per_s_per_gpu",
+    "timing_s/other", "perf/tokens_per_s", "perf/tokens_per_s_per_gpu", "perf/tokens_per_s_per_train_gpu",
     "gpu/util_generate", "gpu/util_sync_weights", "gpu/util_reward", "gpu/util_train",
     "memory/peak_gb",
 )  # fmt: skip
 
+# Where a job ran: placement name, trainer processes, GPUs used (a vLLM server's included), and vLLM's TP size and
+# memory fraction (the server's own for server placement; empty without vLLM).
+PLACEMENT_KEYS = ("placement", "world_size", "gpus", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization")
+
 # Columns of a sweep summary, in order; the printed table shows the short names.
-COLUMNS = ("job", "overrides", "status", "exit_code", *SUMMARY_KEYS, "reward", "steps", "source", "note", "dir")
+COLUMNS = ("job", "overrides", "status", "exit_code", *PLACEMENT_KEYS, *SUMMARY_KEYS, "reward", "steps", "source",
+           "note", "dir")  # fmt: skip
 TABLE = {
     "job": "#", "overrides": "overrides", "status": "status", "timing_s/step": "step s",
     "perf/tokens_per_s_per_gpu": "tok/s/GPU", "gpu/util_generate": "util gen", "gpu/util_sync_weights": "util sync",
     "gpu/util_reward": "util rew", "gpu/util_train": "util train", "memory/peak_gb": "peak GB", "reward": "reward",
     "note": "note",
 }  # fmt: skip
+
+# Columns of load_gpu_samples (one row per NVML sample) and load_phases (one row per phase interval of a rank).
+SAMPLE_COLUMNS = ("train/global_step", "rank", "phase", "t", "gpu", "util", "mem_gb", "power_w", "sm_clock_mhz")
+PHASE_COLUMNS = ("train/global_step", "rank", "phase", "start", "end")
 
 JOB_FILE = "job.json"
 SUMMARY_CSV = "summary.csv"
@@ -46,20 +62,58 @@ def run_summary(run_dir: str | Path) -> dict:
     step) and `source` (the file the timings came from, None when the run logged nothing).
     """
     run_dir = Path(run_dir)
-    summary = _flatten(read_json(run_dir / "summary.json") or {})
+    summary = read_json(run_dir / "summary.json") or {}
     metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     run = read_json(run_dir / "run.json") or {}
-    derived = _from_metrics(metrics, int(run.get("world_size") or 1))
+    row = summary_row(summary, metrics, int(run.get("world_size") or 1))
+    row["source"] = "summary.json" if summary else ("metrics.jsonl" if metrics else None)
+    return row
+
+
+def summary_row(summary: dict, metrics: list[dict], world_size: int = 1) -> dict:
+    """SUMMARY_KEYS, `reward` and `steps` from a steady-state summary (summary.json, a W&B run's summary) and the
+    per-step metrics (may be empty), the summary winning where both have a number."""
+    summary = _flatten(summary)
+    derived = _from_metrics(metrics, world_size)
     row = {key: _number(summary.get(key)) for key in SUMMARY_KEYS}
     for key, value in derived.items():
         if row.get(key) is None:
             row[key] = value
     rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
     steps = [m["train/global_step"] for m in metrics if "train/global_step" in m]
-    row["reward"] = rewards[-1] if rewards else None
-    row["steps"] = steps[-1] if steps else None
-    row["source"] = "summary.json" if summary else ("metrics.jsonl" if metrics else None)
+    row["reward"] = rewards[-1] if rewards else _number(summary.get("final/reward"))
+    row["steps"] = steps[-1] if steps else _number(summary.get("train/global_step"))
     return row
+
+
+def placement_settings(get: Callable[[str], object], world_size: int | None = None) -> dict:
+    """PLACEMENT_KEYS of a job from its config, read through `get(dotted key) -> value or None` (a config file,
+    a W&B run's config or a composed DictConfig alike)."""
+    name = get("placement.name")
+    world = int(world_size or get("parallelism.nproc_per_node") or 1)
+    server_gpus = 0
+    if name == "server":  # the server's own engine: its TP and memory fraction, on GPUs of its own
+        tp, memory = get("placement.server_tensor_parallel_size"), get("placement.gpu_memory_utilization")
+        server_gpus = int(get("placement.server_gpus") or 0)
+    elif get("trainer.use_vllm"):
+        tp, memory = get("trainer.vllm_tensor_parallel_size") or 1, get("trainer.vllm_gpu_memory_utilization")
+    else:
+        tp = memory = None
+    return {
+        "placement": name, "world_size": world, "gpus": world + server_gpus,
+        "vllm_tensor_parallel_size": None if tp is None else int(tp),
+        "vllm_gpu_memory_utilization": _number(memory),
+    }  # fmt: skip
+
+
+def run_placement(run_dir: str | Path) -> dict:
+    """PLACEMENT_KEYS of a run directory (config.yaml and run.json); empty values where it has neither."""
+    run_dir = Path(run_dir)
+    run = read_json(run_dir / "run.json") or {}
+    cfg = _read_yaml(run_dir / "config.yaml")
+    if cfg is None:
+        return {**dict.fromkeys(PLACEMENT_KEYS), "placement": run.get("placement"), "world_size": run.get("world_size")}
+    return placement_settings(lambda key: _select(cfg, key), run.get("world_size"))
 
 
 def _from_metrics(metrics: list[dict], world_size: int) -> dict:
@@ -86,6 +140,95 @@ def _from_metrics(metrics: list[dict], world_size: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------------------ one run
+
+
+def newest_dir(name: str) -> Path:
+    """The most recently changed directory in NAME/ (`sweeps`, `outputs/runs`), looked for in the current directory
+    and one level up (a notebook runs in notebooks/)."""
+    for root in (Path(name), Path("..") / name):
+        dirs = [p for p in root.glob("*") if p.is_dir()]
+        if dirs:
+            return max(dirs, key=lambda p: p.stat().st_mtime)
+    raise FileNotFoundError(f"no directory in {name}/ nor in ../{name}/: say which one to read")
+
+
+def load_run(run_dir: str | Path):
+    """metrics.jsonl as a DataFrame: one row per logged step, ordered by `train/global_step`, one column per metric
+    (TRL's, e.g. `reward`, `rewards/<name>/mean`, `completions/mean_length`, and the telemetry's)."""
+    import pandas as pd
+
+    path = Path(run_dir) / "metrics.jsonl"
+    frame = pd.DataFrame(read_jsonl(path) if path.exists() else [])
+    if "train/global_step" not in frame:
+        return pd.DataFrame(columns=["train/global_step"])
+    return frame.sort_values("train/global_step", kind="stable").reset_index(drop=True)
+
+
+def load_gpu_samples(run_dir: str | Path):
+    """gpu_samples.jsonl as a DataFrame (SAMPLE_COLUMNS): one row per NVML sample of a GPU, labelled with the rank
+    that took it and the phase that rank was in. `t` is that rank's clock (time.perf_counter), like load_phases'.
+    Empty (with the columns) when there were no samples: no NVML, e.g. on CPU."""
+    import pandas as pd
+
+    path = Path(run_dir) / "gpu_samples.jsonl"
+    frame = pd.DataFrame(read_jsonl(path) if path.exists() else [], columns=list(SAMPLE_COLUMNS))
+    frame["gpu"] = frame["gpu"].astype(str)
+    return frame.sort_values(["rank", "t", "gpu"], kind="stable").reset_index(drop=True)
+
+
+def load_phases(run_dir: str | Path):
+    """What each rank did when: one row per phase interval (PHASE_COLUMNS), adjacent pieces of one phase merged.
+
+    From phases.jsonl (exact phase edges) when the run wrote it; else derived from the GPU samples' phase labels
+    (phases_from_samples), for runs from before phases.jsonl existed. Empty when there is neither.
+    """
+    import pandas as pd
+
+    path = Path(run_dir) / "phases.jsonl"
+    if path.exists():
+        return merge_phases(pd.DataFrame(read_jsonl(path), columns=list(PHASE_COLUMNS)))
+    return phases_from_samples(load_gpu_samples(run_dir))
+
+
+def merge_phases(phases):
+    """Join each rank's back-to-back intervals of the same phase and step into one."""
+    if phases.empty:
+        return phases.reset_index(drop=True)
+    p = phases.sort_values(["rank", "start"], kind="stable").reset_index(drop=True)
+    same = ((p["rank"] == p["rank"].shift()) & (p["phase"] == p["phase"].shift())
+            & (p["train/global_step"] == p["train/global_step"].shift()) & (p["start"] <= p["end"].shift()))  # fmt: skip
+    merged = p.groupby((~same).cumsum(), sort=False).agg(
+        {"train/global_step": "first", "rank": "first", "phase": "first", "start": "min", "end": "max"}
+    )
+    return merged.reset_index(drop=True)[list(PHASE_COLUMNS)]
+
+
+def phases_from_samples(samples):
+    """Phase intervals from the phase labels of GPU samples: each run of consecutive samples of one rank in the same
+    phase and step becomes an interval from its first sample to the next run's first sample (the last one ends a
+    sampling interval after its last sample). As coarse as the sampling interval."""
+    import pandas as pd
+
+    rows = []
+    for rank, group in samples.groupby("rank", sort=True):
+        g = group.drop_duplicates("t").sort_values("t")  # one rank samples all its GPUs at one time
+        t = g["t"].to_numpy()
+        interval = float(pd.Series(t).diff().median()) if len(t) > 1 else 0.0
+        key = list(zip(g["train/global_step"], g["phase"], strict=True))
+        start = 0
+        for i in range(1, len(t) + 1):
+            if i == len(t) or key[i] != key[start]:
+                end = t[i] if i < len(t) else t[i - 1] + interval
+                rows.append({"train/global_step": key[start][0], "rank": rank, "phase": key[start][1],
+                             "start": float(t[start]), "end": float(end)})  # fmt: skip
+                start = i
+    return pd.DataFrame(rows, columns=list(PHASE_COLUMNS))
+
+
+# ------------------------------------------------------------------------------------------------------ sweeps
+
+
 def load_jobs(sweep_dir: str | Path) -> list[dict]:
     """One row per job of a sweep (COLUMNS), ordered by job number.
 
@@ -104,11 +247,15 @@ def load_jobs(sweep_dir: str | Path) -> list[dict]:
             if run is None:
                 continue
             job = {"num": None, "overrides": [], "status": run.get("status")}
+        placement = run_placement(job_dir)
+        if placement["placement"] is None and job.get("placement"):  # not run: as the launcher planned it
+            placement = job["placement"]
         row = {
             "job": job.get("num"),
             "overrides": " ".join(job.get("swept") or job.get("overrides") or []),
             "status": job.get("status"),
             "exit_code": job.get("exit_code"),
+            **placement,
             **run_summary(job_dir),
             "note": job.get("reason") or job.get("error"),
             "dir": str(job_dir.relative_to(sweep_dir)),
@@ -122,7 +269,17 @@ def load_sweep(sweep_dir: str | Path):
     """The sweep summary as a pandas DataFrame (one row per job, COLUMNS)."""
     import pandas as pd
 
-    return pd.DataFrame(load_jobs(sweep_dir), columns=list(COLUMNS))
+    return _numeric(pd.DataFrame(load_jobs(sweep_dir), columns=list(COLUMNS)))
+
+
+def _numeric(frame):
+    """Number columns as numbers (NaN where a job has none), not objects holding None."""
+    import pandas as pd
+
+    for key in ("world_size", "gpus", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", *SUMMARY_KEYS,
+                "reward", "steps"):  # fmt: skip
+        frame[key] = pd.to_numeric(frame[key])
+    return frame
 
 
 def write_summary(sweep_dir: str | Path) -> Path:
@@ -152,6 +309,56 @@ def print_summary(sweep_dir: str | Path, file=None) -> None:
     Console(file=file, width=None if file.isatty() else 200).print(table)
 
 
+# ------------------------------------------------------------------------------------------ from the W&B API
+
+
+def load_wandb_run(path: str, api=None):
+    """The metrics of a W&B run ("entity/project/run_id") as load_run frames them: one row per `train/global_step`,
+    TRL's `train/` prefix removed (`train/reward` → `reward`). Needs network and W&B credentials."""
+    import pandas as pd
+
+    api = api or _wandb_api()
+    by_step: dict[int, dict] = {}
+    for row in api.run(path).scan_history():  # TRL's and the telemetry's rows of one step are separate
+        step = row.get("train/global_step")
+        if step is None:
+            continue
+        merged = by_step.setdefault(int(step), {"train/global_step": int(step)})
+        for key, value in row.items():
+            if value is not None and not key.startswith("_") and key != "train/global_step":
+                merged.setdefault(key.removeprefix("train/"), value)
+    frame = pd.DataFrame([by_step[s] for s in sorted(by_step)])
+    return frame if "train/global_step" in frame else pd.DataFrame(columns=["train/global_step"])
+
+
+def load_wandb_sweep(project: str, group: str | None = None, api=None):
+    """The runs of a W&B project ("entity/project"), or of one sweep's group (`logger.group`, by default the sweep
+    directory's name), as load_sweep frames them: placement from each run's config, numbers from its summary (the
+    telemetry's steady-state means). Needs network and W&B credentials."""
+    import pandas as pd
+
+    api = api or _wandb_api()
+    rows = []
+    for run in api.runs(project, filters={"group": group} if group else None):
+        config = dict(run.config)
+        cfg = config.get("cfg") or {}
+        summary = {k: v for k, v in run.summary_metrics.items() if not k.startswith("_")}
+        row = {
+            "job": None, "overrides": run.name, "status": run.state, "exit_code": None,
+            **placement_settings(lambda key, cfg=cfg: _select(cfg, key), config.get("world_size")),
+            **summary_row(summary, []),
+            "source": "wandb", "note": None, "dir": "/".join(run.path),
+        }  # fmt: skip
+        rows.append({key: row.get(key) for key in COLUMNS})
+    return _numeric(pd.DataFrame(rows, columns=list(COLUMNS)))
+
+
+def _wandb_api():
+    import wandb
+
+    return wandb.Api()
+
+
 def _cell(value, max_chars: int | None = None) -> str:
     if isinstance(value, str) and max_chars and len(value) > max_chars:
         return value[: max_chars - 1] + "…"
@@ -173,14 +380,46 @@ def _flatten(data: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _select(data: dict, dotted: str):
+    """data["a"]["b"] for "a.b"; None where a key is missing."""
+    for key in dotted.split("."):
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def _read_yaml(path: Path) -> dict | None:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
 def _number(value) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def main(argv: list[str] | None = None) -> None:
+    import argparse
+
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        sys.exit("usage: python -m colocated_grpo.analysis SWEEP_DIR")
+    if argv[:1] == ["render"]:
+        parser = argparse.ArgumentParser(prog="python -m colocated_grpo.analysis render",
+                                         description="Write the figures of a sweep or a run directory as PNGs.")  # fmt: skip
+        parser.add_argument("dir", help="a sweep directory (job directories inside) or a run directory")
+        parser.add_argument("--out", help="where to write the PNGs (default: DIR/figures)")
+        args = parser.parse_args(argv[1:])
+        from colocated_grpo import plots
+
+        for path in plots.render(args.dir, args.out):
+            print(path)
+        return
+    if len(argv) != 1 or argv[0].startswith("-"):
+        sys.exit("usage: python -m colocated_grpo.analysis SWEEP_DIR\n"
+                 "       python -m colocated_grpo.analysis render SWEEP_OR_RUN_DIR [--out DIR]")  # fmt: skip
     print_summary(argv[0])
     print(f"summary: {write_summary(argv[0])}")
 

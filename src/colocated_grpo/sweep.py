@@ -70,6 +70,7 @@ class Job:
     server: bool = False  # vllm=server: the job is one `python train.py` that starts its server and torchrun
     status: str = "pending"
     reason: str | None = None  # why a job was skipped
+    placement: dict | None = None  # analysis.PLACEMENT_KEYS as planned: what a job that never ran would have used
 
     def record(self, **extra) -> dict:
         return {**dataclasses.asdict(self), **extra}
@@ -111,7 +112,8 @@ def plan(hydra_context, config: DictConfig, job_overrides, initial_job_idx: int,
                 overrides.append(f"++logger.group={quote(group)}")
             nproc = int(OmegaConf.select(job_cfg, "parallelism.nproc_per_node", default=1))
             server = OmegaConf.select(job_cfg, "placement.name") == "server"
-            job = Job(num, overrides, swept, str(sweep_dir / subdir), nproc, nnodes, server=server)
+            placement = analysis.placement_settings(lambda key, c=job_cfg: OmegaConf.select(c, key), nproc * nnodes)
+            job = Job(num, overrides, swept, str(sweep_dir / subdir), nproc, nnodes, server=server, placement=placement)
             job.reason = server_skip_reason(job_cfg, gpus_here) if server else skip_reason(job_cfg, nproc * nnodes, gpus_here)
             if job.reason:
                 job.status = "skipped"

@@ -85,6 +85,7 @@ class TelemetryCallback(TrainerCallback):
         hooks.install(trainer, self.tracker, self.tokens)
         self.sampler: nvml.GpuSampler | None = None
         self.samples_writer: JsonlWriter | None = None
+        self.phases_writer: JsonlWriter | None = None
         self.pending: dict[str, float] = {}
         self.n_params: int | None = None
 
@@ -108,12 +109,14 @@ class TelemetryCallback(TrainerCallback):
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
         if state.is_world_process_zero:
             self.samples_writer = JsonlWriter(self.run_dir / "gpu_samples.jsonl")
+            self.phases_writer = JsonlWriter(self.run_dir / "phases.jsonl")
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.sampler is not None:
             self.sampler.stop()
-        if self.samples_writer is not None:
-            self.samples_writer.close()
+        for writer in (self.samples_writer, self.phases_writer):
+            if writer is not None:
+                writer.close()
 
     # -- phase edges -------------------------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kwargs):
@@ -139,6 +142,11 @@ class TelemetryCallback(TrainerCallback):
             return
         metrics = aggregate.step_metrics(reports, self.n_params if self.cuda else None, self.peak_tflops)
         for r in reports:
+            for seg in r.phases.segments:  # the step's timeline: what each rank did when (same clock as samples)
+                self.phases_writer.write(
+                    {"train/global_step": state.global_step, "rank": r.rank, "phase": seg.phase, "start": seg.start,
+                     "end": seg.end}
+                )  # fmt: skip
             for sample, phase in aggregate.label_samples(r.samples, r.phases.segments):
                 self.samples_writer.write(
                     {"train/global_step": state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
