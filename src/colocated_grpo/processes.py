@@ -3,13 +3,12 @@ log file, and stopping it stops everything it started (torchrun's workers, vLLM'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections import deque
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,49 +39,76 @@ def train_command(nproc: int, overrides: list[str], script: Path = REPO / "train
 
 
 def start(cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")
+    with open(log_path, "ab") as log:  # the child holds its own descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                                start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+
+
+def run(cmd: list[str], log_path: Path, env: dict | None = None, grace_s: float = 30.0,
+        first_signal: int = signal.SIGTERM) -> int:  # fmt: skip
+    """Run `cmd` to the end (see `start`) and return its exit code. Whatever happens (Ctrl-C included), no process
+    of it outlives this call: on an exception it is stopped with `first_signal` first."""
+    proc = start(cmd, log_path, env)
     try:
-        return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-        )
-    finally:
-        log.close()  # the child holds its own descriptor
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> int | None:
-    """SIGTERM the child's whole process group, then SIGKILL what is left after `grace_s`."""
-    if proc.poll() is None:
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_group(proc, signal.SIGKILL)  # stragglers of the group, even when the leader has exited
-    return proc.wait()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def tail(path: Path, lines: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except OSError:
-        return ""
-
-
-def wait(proc: subprocess.Popen, poll_s: float = 0.5) -> int:
-    """Wait for the child; on Ctrl-C or any error stop its whole group first, then re-raise."""
-    try:
-        while proc.poll() is None:
-            time.sleep(poll_s)
-        return proc.returncode
+        return proc.wait()
     except BaseException:
-        stop(proc)
+        stop(proc, grace_s, first_signal)
         raise
+    finally:
+        _kill_group(proc.pid, signal.SIGKILL)  # stragglers of a command that ended (none is the usual case)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 20.0, first_signal: int = signal.SIGTERM) -> int:
+    """`first_signal` to the child's process group, SIGTERM after `grace_s` (when the first was another signal),
+    then SIGKILL to the group and to every process that descended from it, even one that left the group."""
+    import psutil
+
+    def descendants():
+        try:
+            return psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    seen = descendants()
+    steps = [(first_signal, grace_s)] + ([(signal.SIGTERM, 10.0)] if first_signal != signal.SIGTERM else [])
+    for sig, wait_s in steps:
+        _kill_group(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            seen += descendants()
+    _kill_group(proc.pid, signal.SIGKILL)
+    for p in seen + descendants():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    code = proc.wait()
+    psutil.wait_procs(seen, timeout=5)
+    return code
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when this process dies, even by SIGKILL; torchrun and vLLM then
+    stop their own workers. Without it a killed sweep or launcher would orphan its children."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def tail(path: Path, lines: int = 30) -> list[str]:
+    """The last `lines` lines of a log (read from its end, so a long log costs nothing)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 200 * lines - 4096))
+            return f.read().decode("utf-8", "replace").splitlines()[-lines:]
+    except OSError:
+        return []

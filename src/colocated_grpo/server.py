@@ -120,7 +120,7 @@ def wait_until_healthy(url: str, proc, timeout_s: float, log_path: Path) -> floa
         if proc.poll() is not None:
             raise ServerError(
                 f"the vLLM server exited with code {proc.returncode} before it was healthy; "
-                f"last lines of {log_path}:\n{processes.tail(log_path)}"
+                f"last lines of {log_path}:\n" + "\n".join(processes.tail(log_path))
             )
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
@@ -131,7 +131,7 @@ def wait_until_healthy(url: str, proc, timeout_s: float, log_path: Path) -> floa
         if time.monotonic() - start > timeout_s:
             raise ServerError(
                 f"the vLLM server at {url} was not healthy after {timeout_s:.0f}s (placement.health_timeout_s); "
-                f"last lines of {log_path}:\n{processes.tail(log_path)}"
+                f"last lines of {log_path}:\n" + "\n".join(processes.tail(log_path))
             )
         time.sleep(1.0)
 
@@ -156,7 +156,6 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
         server_command(cfg, model_path, plan_), server_log,
         env={**base_env, "CUDA_VISIBLE_DEVICES": ",".join(plan_.server_gpus)},
     )  # fmt: skip
-    trainer = None
     try:
         url = f"http://127.0.0.1:{plan_.port}/health"
         startup = wait_until_healthy(url, server, float(cfg.placement.health_timeout_s), server_log)
@@ -167,16 +166,13 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
             ROLE_ENV: "trainer",
             SERVER_GPUS_ENV: ",".join(plan_.server_gpus),
         }
-        trainer = processes.start(
+        code = processes.run(
             processes.train_command(plan_.nproc, trainer_overrides(cfg, plan_, user_overrides, run_dir)),
-            run_dir / "trainer.log", env=trainer_env,
+            run_dir / "trainer.log", env=trainer_env, grace_s=20.0,
         )  # fmt: skip
-        code = processes.wait(trainer)
         if code != 0:
             log.error("trainer exited with code %s; last lines of %s:\n%s", code, run_dir / "trainer.log",
-                      processes.tail(run_dir / "trainer.log"))  # fmt: skip
+                      "\n".join(processes.tail(run_dir / "trainer.log")))  # fmt: skip
         return code
     finally:
-        if trainer is not None:
-            processes.stop(trainer)
         processes.stop(server)

@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 import zlib
@@ -32,7 +31,7 @@ from typing import List, Optional  # noqa: UP035 - OmegaConf reads these annotat
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from colocated_grpo import analysis
+from colocated_grpo import analysis, processes
 from colocated_grpo.processes import free_port
 from colocated_grpo.run_files import now, read_json, write_json
 
@@ -251,7 +250,8 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
     log.info("#%d %s: %s", job.num, " ".join(job.swept) or "job", log_path)
     exit_code = None
     try:
-        exit_code = run_process(command, log_path, job_environment(), opts.stop_grace_s)
+        # SIGINT first: torchrun passes it on and the runner records the run as interrupted
+        exit_code = processes.run(command, log_path, job_environment(), opts.stop_grace_s, signal.SIGINT)
         job.status = "finished" if exit_code == 0 else "failed"
     except KeyboardInterrupt:
         job.status = "interrupted"
@@ -259,7 +259,7 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
     finally:
         record = job.record(
             command=command, started=started, ended=now(), duration_s=round(time.monotonic() - t0, 1),
-            exit_code=exit_code, log=log_path.name, log_tail=tail(log_path, opts.log_tail_lines),
+            exit_code=exit_code, log=log_path.name, log_tail=processes.tail(log_path, opts.log_tail_lines),
             error=error_line(log_path) if job.status != "finished" else None,
         )  # fmt: skip
         if records:
@@ -269,75 +269,6 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
     else:
         log.info("#%d %s in %.0f s", job.num, job.status, record["duration_s"])
     return record
-
-
-def run_process(command: list[str], log_path: Path, env: dict, grace_s: float) -> int:
-    """Run `command` in a session of its own with its output in log_path; return its exit code.
-
-    Whatever happens (Ctrl-C included), no process of it outlives this call.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
-        try:
-            return proc.wait()
-        except BaseException:
-            stop(proc, grace_s)
-            raise
-        finally:
-            _kill_group(proc.pid, signal.SIGKILL)  # stragglers of a job that ended (none is the usual case)
-
-
-def stop(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGINT to the job's process group (torchrun passes it on; the runner records the run as interrupted), then
-    SIGTERM, then SIGKILL to the group and to every process that descended from it."""
-    import psutil
-
-    def descendants():
-        try:
-            return psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            return []
-
-    seen = descendants()
-    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 10.0)):
-        _kill_group(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            seen += descendants()
-    _kill_group(proc.pid, signal.SIGKILL)
-    for p in seen + descendants():
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    proc.wait()
-    psutil.wait_procs(seen, timeout=5)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the sweep process dies, even by SIGKILL; torchrun then stops
-    its workers. Without it a killed sweep (or a scheduler killing a task) would orphan the job."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def tail(path: Path, lines: int) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 200 * lines - 4096))
-            return f.read().decode("utf-8", "replace").splitlines()[-lines:]
-    except OSError:
-        return []
 
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
