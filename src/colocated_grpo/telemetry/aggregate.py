@@ -100,13 +100,55 @@ def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:
     return metrics
 
 
+class SteadyState:
+    """Running means of every numeric metric over the steps after `warmup_steps` (all steps while none are left),
+    updated one record at a time so that a long run's summary costs the same at step 10 000 as at step 10."""
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+        self._all = _Means()
+        self._steady = _Means()
+        self._last: dict = {}
+
+    def add(self, record: dict) -> None:
+        self._all.add(record)
+        if record.get("train/global_step", 0) > self.warmup_steps:
+            self._steady.add(record)
+        self._last = record
+
+    def summary(self) -> dict[str, float]:
+        means = self._steady if self._steady.records else self._all
+        summary = means.means()
+        summary["steady_state/steps"] = means.records
+        summary["steady_state/warmup_steps"] = self.warmup_steps
+        if "reward" in self._last:
+            summary["final/reward"] = self._last["reward"]
+        return summary
+
+
+class _Means:
+    def __init__(self):
+        self.records = 0
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, record: dict) -> None:
+        self.records += 1
+        for key, value in record.items():
+            if key == "train/global_step" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            self.counts[key] += 0  # a metric that is always NaN still gets a (NaN) mean
+            if not math.isnan(value):
+                self.sums[key] += value
+                self.counts[key] += 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / n if n else float("nan") for k, n in sorted(self.counts.items())}
+
+
 def steady_state(records: list[dict], warmup_steps: int) -> dict[str, float]:
-    """Means of every numeric metric over the steps after `warmup_steps` (all steps if none are left)."""
-    steady = [r for r in records if r.get("train/global_step", 0) > warmup_steps] or records
-    keys = {k for r in steady for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    summary = {k: _mean(r.get(k) for r in steady) for k in sorted(keys) if k != "train/global_step"}
-    summary["steady_state/steps"] = len(steady)
-    summary["steady_state/warmup_steps"] = warmup_steps
-    if records and "reward" in records[-1]:
-        summary["final/reward"] = records[-1]["reward"]
-    return summary
+    """SteadyState's summary of a list of records."""
+    state = SteadyState(warmup_steps)
+    for record in records:
+        state.add(record)
+    return state.summary()

@@ -29,8 +29,7 @@ class MetricsFileCallback(TrainerCallback):
     def __init__(self, run_dir: Path, extras=(), warmup_steps: int = 1):
         self.run_dir = run_dir
         self.extras = list(extras)
-        self.warmup_steps = warmup_steps
-        self.records: list[dict] = []
+        self.steady = aggregate.SteadyState(warmup_steps)
         self.writer: JsonlWriter | None = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -42,17 +41,18 @@ class MetricsFileCallback(TrainerCallback):
         if self.writer is None:
             path = self.run_dir / "metrics.jsonl"
             # a resumed run keeps the steps before its checkpoint (the file was cut back to them) in its summary
-            self.records = read_jsonl(path) if path.exists() else []
+            for earlier in read_jsonl(path) if path.exists() else []:
+                self.steady.add(earlier)
             self.writer = JsonlWriter(path)
         record = {"train/global_step": state.global_step, **logs}
         for extra in self.extras:
             record.update(extra())
         self.writer.write(record)
-        self.records.append(record)
+        self.steady.add(record)
         self.write_summary()
 
     def write_summary(self) -> dict:
-        summary = aggregate.steady_state(self.records, self.warmup_steps)
+        summary = self.steady.summary()
         write_json(self.run_dir / "summary.json", summary)
         try:
             import wandb
