@@ -4,7 +4,6 @@ What cannot run on CPU: TRL's weight sync to a vLLM server needs NCCL and a CUDA
 (trl VLLMClient.init_communicator raises NotImplementedError otherwise), so server-mode training itself runs
 only on the GPU machine."""
 
-import os
 import subprocess
 import sys
 import time

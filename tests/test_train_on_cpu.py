@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from colocated_grpo.run_files import read_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     print(f"  telemetry on : {on:.4f} s   (stdev {statistics.pstdev(steady['on']):.4f})")
     print(f"  telemetry off: {off:.4f} s   (stdev {statistics.pstdev(steady['off']):.4f})")
     print(f"  A/B overhead : {100 * (on / off - 1):+.2f} % of step time (noise: see the stdevs)")
-    print(f"direct costs inside the telemetry runs, per step:")
+    print("direct costs inside the telemetry runs, per step:")
     print(f"  callback + phase-edge synchronisation: {100 * in_step:.3f} % of step time")
     print(f"  NVML sampler reads (own thread)      : {100 * sampler:.3f} % of step time")
 
