@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from colocated_grpo.run_files import read_json, read_jsonl
+from colocated_grpo.run_files import flatten, read_json, read_jsonl
 
 # Steady-state means that a run's summary.json holds (telemetry), in the metric names of the W&B run.
 SUMMARY_KEYS = (
@@ -73,7 +73,7 @@ def run_summary(run_dir: str | Path) -> dict:
 def summary_row(summary: dict, metrics: list[dict], world_size: int = 1) -> dict:
     """SUMMARY_KEYS, `reward` and `steps` from a steady-state summary (summary.json, a W&B run's summary) and the
     per-step metrics (may be empty), the summary winning where both have a number."""
-    summary = _flatten(summary)
+    summary = flatten(summary, "/")  # {"timing_s": {"step": 1.0}} and {"timing_s/step": 1.0} alike
     derived = _from_metrics(metrics, world_size)
     row = {key: _number(summary.get(key)) for key in SUMMARY_KEYS}
     for key, value in derived.items():
@@ -367,17 +367,6 @@ def _cell(value, max_chars: int | None = None) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    """{"timing_s": {"step": 1.0}} and {"timing_s/step": 1.0} both become {"timing_s/step": 1.0}."""
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}/"))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _select(data: dict, dotted: str):

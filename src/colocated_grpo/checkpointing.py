@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo.redaction import REDACTED
-from colocated_grpo.run_files import read_jsonl
+from colocated_grpo.run_files import flatten, read_json, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     run_dir = Path(run_dir)
     if not main:
         return Resume(latest(run_dir) if OmegaConf.select(cfg, "run.resume", default="auto") == "auto" else None)
-    previous = _read_json(run_dir / "run.json")
+    previous = read_json(run_dir / "run.json") or {}
     if not previous and not (run_dir / "metrics.jsonl").exists():
         return Resume()
     mode = str(OmegaConf.select(cfg, "run.resume", default="auto"))
@@ -160,8 +160,8 @@ def check_config(cfg: DictConfig, run_dir: Path, previous: dict | None = None) -
     stored_path = Path(run_dir) / "config.yaml"
     if not stored_path.exists():
         return
-    stored = _flatten(OmegaConf.to_container(OmegaConf.load(stored_path), resolve=False))
-    current = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    stored = flatten(OmegaConf.to_container(OmegaConf.load(stored_path), resolve=False))
+    current = flatten(OmegaConf.to_container(cfg, resolve=True))
     changed = []
     for key in sorted(set(stored) | set(current)):
         old, new = stored.get(key, "<unset>"), current.get(key, "<unset>")
@@ -216,21 +216,3 @@ def remove_incomplete(run_dir: Path) -> list[str]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat

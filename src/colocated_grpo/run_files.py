@@ -100,5 +100,17 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
+def flatten(tree: dict, sep: str = ".", prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1} (with `sep`); an empty mapping stays a leaf."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, sep, name + sep))
+        else:
+            flat[name] = value
+    return flat
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from colocated_grpo.run_files import write_json
+from colocated_grpo.run_files import read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -180,12 +180,7 @@ def _number(value):
 
 
 def read_marker(checkpoint: Path | None) -> dict | None:
-    if checkpoint is None:
-        return None
-    try:
-        return json.loads((Path(checkpoint) / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
+    return None if checkpoint is None else read_json(Path(checkpoint) / MARKER)
 
 
 class RecordWandbStep(TrainerCallback):
