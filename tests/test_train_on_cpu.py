@@ -74,6 +74,19 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(train):
     assert len(list(run.dir.glob("wandb/offline-run-*"))) == 1, "only rank 0 writes W&B"
 
 
+def test_fsdp_two_ranks_sync_sharded_weights_to_the_engine(train):
+    """parallelism=fsdp (FSDP2): TRL gathers the sharded weights for every sync; with a policy that moves each
+    step, vLLM's log-probs only keep matching the trainer's if the gathered weights are right."""
+    run = train("parallelism=fsdp", "parallelism.nproc_per_node=2", "trainer.per_device_train_batch_size=4",
+                "trainer.max_steps=4", "trainer.learning_rate=0.02", "reward=length", "+reward.params.length.target=16",
+                "logger=none", nproc=2)  # fmt: skip
+    metrics = run.metrics()
+    assert [m["train/global_step"] for m in metrics] == [1, 2, 3, 4]
+    assert "fsdp: full_shard auto_wrap" in (run.dir / "config.yaml").read_text()
+    assert any(m["grad_norm"] > 0 for m in metrics), "the policy must actually change for this test to mean anything"
+    assert max(m["sampling/sampling_logp_difference/mean"] for m in metrics) < 0.05
+
+
 def test_none_placement_uses_transformers_generate(train):
     run = train("vllm=none", "trainer.max_steps=2")
     assert [m["train/global_step"] for m in run.metrics()] == [1, 2]
