@@ -117,3 +117,14 @@ def test_none_placement_skips_vllm_checks():
     with open_dict(cfg):
         cfg.trainer.vllm_tensor_parallel_size = 3  # irrelevant without vLLM
     validate(cfg, 1)
+
+
+def test_fixed_completion_length_maps_to_each_backends_own_kwargs():
+    cfg = compose_train("+experiment=gpu_smoke", "trainer.bf16=false", "trainer.max_completion_length=96")
+    assert grpo_config(cfg, "unused", []).generation_kwargs == {"min_tokens": 96, "ignore_eos": True}
+    cfg = compose_train("+experiment=gpu_smoke", "vllm=none", "trainer.bf16=false",
+                        "+trainer.generation_kwargs={min_new_tokens: 8}")  # fmt: skip
+    assert grpo_config(cfg, "unused", []).generation_kwargs == {"min_new_tokens": 8}, "the user's own kwargs win"
+    cfg = compose_train("+experiment=gpu_smoke", "trainer.bf16=false", "run.fixed_completion_length=false")
+    assert grpo_config(cfg, "unused", []).generation_kwargs is None
+    _fails("run.fixed_completion_length must be true or false", "run.fixed_completion_length=sometimes")

@@ -87,9 +87,19 @@ def test_fsdp_two_ranks_sync_sharded_weights_to_the_engine(train):
     assert max(m["sampling/sampling_logp_difference/mean"] for m in metrics) < 0.05
 
 
+def test_fixed_completion_length_stops_early_eos_in_vllm(train, default_run):
+    """The tiny random model emits EOS early now and then (the default run, same seed, has short completions);
+    run.fixed_completion_length makes vLLM generate exactly max_completion_length tokens every time."""
+    assert min(m["completions/min_length"] for m in default_run.metrics()) < 32
+    run = train("run.fixed_completion_length=true", "logger=none")
+    assert all(m["completions/min_length"] == m["completions/max_length"] == 32 for m in run.metrics())
+
+
 def test_none_placement_uses_transformers_generate(train):
-    run = train("vllm=none", "trainer.max_steps=2")
+    run = train("vllm=none", "trainer.max_steps=2", "run.fixed_completion_length=true")
     assert [m["train/global_step"] for m in run.metrics()] == [1, 2]
+    # transformers' generate gets min_new_tokens: every completion at full length
+    assert all(m["completions/min_length"] == 32 for m in run.metrics())
     assert json.loads((run.dir / "run.json").read_text())["placement"] == "none"
     assert "vLLM" not in run.output
 

@@ -117,8 +117,9 @@ def _run_problems(cfg: DictConfig) -> list[str]:
     resume = OmegaConf.select(cfg, "run.resume", default="auto")
     if resume not in RESUME_MODES:
         problems.append(f"run.resume={resume!r} must be one of {list(RESUME_MODES)}")
-    if not isinstance(OmegaConf.select(cfg, "run.stop_on_nonfinite", default=True), bool):
-        problems.append("run.stop_on_nonfinite must be true or false")
+    for key in ("stop_on_nonfinite", "fixed_completion_length"):
+        if not isinstance(OmegaConf.select(cfg, f"run.{key}", default=False), bool):
+            problems.append(f"run.{key} must be true or false")
     return problems
 
 
@@ -182,6 +183,8 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str]):
         # Without it, transformers ignores torchrun on CPU and every rank trains alone (world size 1).
         kwargs.setdefault("use_cpu", True)
     kwargs.setdefault("model_init_kwargs", {}).setdefault("dtype", cfg.model.get("dtype", "auto"))
+    if OmegaConf.select(cfg, "run.fixed_completion_length", default=False):
+        kwargs["generation_kwargs"] = {**fixed_length_kwargs(kwargs), **(kwargs.get("generation_kwargs") or {})}
     return GRPOConfig(
         output_dir=output_dir,
         report_to=report_to,
@@ -190,3 +193,12 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str]):
         reward_weights=[float(w) for w in cfg.reward.weights.values()],
         **kwargs,
     )
+
+
+def fixed_length_kwargs(trainer: dict) -> dict:
+    """Generation kwargs that make every completion exactly max_completion_length tokens (EOS suppressed until then),
+    so benchmark steps do equal work whichever backend generates: vLLM's SamplingParams or transformers' generate."""
+    length = int(trainer.get("max_completion_length", 256))
+    if trainer.get("use_vllm"):
+        return {"min_tokens": length, "ignore_eos": True}
+    return {"min_new_tokens": length}
