@@ -44,11 +44,51 @@ def test_nested_phases_go_to_the_innermost_and_add_up_to_the_step():
     step = recorded_step()
     d = step.durations()
     assert step.duration == 10
-    assert d == {"generate": 3, "sync_weights": 1, "reward": 1, "train": 3, "other": 2}
+    assert d == {"generate": 3, "sync_weights": 1, "sleep_wake": 0, "reward": 1, "train": 3, "other": 2}
     assert sum(d.values()) == pytest.approx(step.duration)
     # segments tile the step without gaps or overlaps
     assert step.segments[0].start == step.start and step.segments[-1].end == step.end
     assert all(a.end == b.start for a, b in zip(step.segments, step.segments[1:]))
+
+
+def test_sleep_mode_engine_calls_are_timed_as_sleep_wake_inside_generate():
+    """hooks.install wraps the colocated engine's sleep/wake_up only when sleep mode is on; their time leaves generate."""
+    from types import SimpleNamespace
+
+    from colocated_grpo.telemetry.hooks import TokenCounter, install
+
+    clock = FakeClock()
+
+    def advance(seconds, result=None):
+        def call(*args, **kwargs):
+            clock.t += seconds
+            return result
+
+        return call
+
+    llm = SimpleNamespace(sleep=advance(0.5), wake_up=advance(0.25))
+    generation = SimpleNamespace(sync_weights=advance(1), llm=llm, enable_sleep_mode=True)
+
+    def generate(*args):
+        generation.llm.wake_up(tags=["kv_cache"])
+        clock.t += 2
+        generation.llm.sleep(level=2)
+        return [[1, 2]], [[3, 4, 5]]
+
+    trainer = SimpleNamespace(training_step=advance(0), _prepare_inputs=advance(0), _generate=generate,
+                              _calculate_rewards=advance(0), vllm_generation=generation)  # fmt: skip
+    tracker, tokens = PhaseTracker(clock=clock), TokenCounter()
+    install(trainer, tracker, tokens)
+    tracker.begin_step()
+    trainer._generate()
+    d = tracker.end_step().durations()
+    assert d["generate"] == 2 and d["sleep_wake"] == 0.75
+    assert tokens.reset() == (2, 3)
+
+    awake = SimpleNamespace(sleep=llm.sleep, wake_up=llm.wake_up)
+    install(SimpleNamespace(**{**vars(trainer), "vllm_generation": SimpleNamespace(
+        sync_weights=advance(1), llm=awake, enable_sleep_mode=False)}), tracker, tokens)  # fmt: skip
+    assert awake.sleep is llm.sleep  # sleep mode off: the engine is left alone
 
 
 def test_barrier_runs_at_every_edge_and_its_cost_is_counted():

@@ -27,8 +27,9 @@ from colocated_grpo.run_files import flatten, read_json, read_jsonl
 
 # Steady-state means that a run's summary.json holds (telemetry), in the metric names of the W&B run.
 SUMMARY_KEYS = (
-    "timing_s/step", "timing_s/generate", "timing_s/sync_weights", "timing_s/reward", "timing_s/train",
-    "timing_s/other", "perf/tokens_per_s", "perf/tokens_per_s_per_gpu", "perf/tokens_per_s_per_train_gpu",
+    "timing_s/step", "timing_s/generate", "timing_s/sync_weights", "timing_s/sleep_wake", "timing_s/reward",
+    "timing_s/train", "timing_s/other", "perf/tokens_per_s", "perf/tokens_per_s_per_gpu",
+    "perf/tokens_per_s_per_train_gpu", "perf/gen_tokens_per_s",
     "gpu/util_generate", "gpu/util_sync_weights", "gpu/util_reward", "gpu/util_train",
     "memory/peak_gb",
 )  # fmt: skip

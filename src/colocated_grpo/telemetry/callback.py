@@ -151,6 +151,7 @@ class TelemetryCallback(TrainerCallback):
                 self.samples_writer.write(
                     {"train/global_step": state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
                 )
+        metrics["model/params"] = float(self.n_params)  # for per-parameter costs (weight sync s per 1e9 params)
         metrics["telemetry/barrier_s"] = barrier_s
         metrics["telemetry/callback_s"] = time.perf_counter() - t0
         if self.sampler is not None:

@@ -3,6 +3,7 @@ count tokens. Nothing in TRL is changed; the wrapped methods are called unchange
 
     generate      GRPOTrainer._generate (vLLM or transformers generation; sync_weights nests inside)
     sync_weights  VLLMGeneration.sync_weights (colocate and server)
+    sleep_wake    the colocated engine's sleep() and wake_up() (sleep mode only; inside generate and sync_weights)
     reward        GRPOTrainer._calculate_rewards
     train         GRPOTrainer.training_step (forward + backward) and the optimizer step (callback edges)
     other         the rest of TRL's _prepare_inputs (old/ref log-probs, advantages, gathering) and the loop
@@ -54,3 +55,7 @@ def install(trainer, tracker: PhaseTracker, tokens: TokenCounter) -> None:
     generation = getattr(trainer, "vllm_generation", None)
     if generation is not None:
         _wrap(generation, "sync_weights", tracker, "sync_weights")
+        llm = getattr(generation, "llm", None)  # the in-process engine: colocate only
+        if llm is not None and getattr(generation, "enable_sleep_mode", False):
+            _wrap(llm, "sleep", tracker, "sleep_wake")
+            _wrap(llm, "wake_up", tracker, "sleep_wake")

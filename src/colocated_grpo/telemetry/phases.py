@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-PHASES = ("generate", "sync_weights", "reward", "train", "other")
+PHASES = ("generate", "sync_weights", "sleep_wake", "reward", "train", "other")
 
 
 @dataclass
