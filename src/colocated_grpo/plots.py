@@ -28,8 +28,8 @@ from matplotlib.patches import Patch, Rectangle
 from colocated_grpo import analysis
 from colocated_grpo.telemetry.phases import PHASES
 
-PHASE_COLORS = {"generate": "#4C72B0", "sync_weights": "#8172B3", "reward": "#55A868", "train": "#DD8452",
-                "other": "#B0B0B0"}  # fmt: skip
+PHASE_COLORS = {"generate": "#4C72B0", "sync_weights": "#8172B3", "sleep_wake": "#C44E52", "reward": "#55A868",
+                "train": "#DD8452", "other": "#B0B0B0"}  # fmt: skip
 COLOCATED = ("colocate", "colocate_sleep")
 TP, MEMORY = "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"
 FAIRNESS_NOTE = (
@@ -179,6 +179,40 @@ def sweep_figures(jobs) -> dict[str, Figure]:
 
 
 # --------------------------------------------------------------------------------------------------------- run
+
+
+def study_figure(table) -> Figure:
+    """A study's results (study.COLUMNS): per model, each case's step time stacked by phase and its tokens/s per
+    GPU used with the speed-up over the study's baseline."""
+    models = list(dict.fromkeys(table["model"]))
+    fig = Figure(figsize=(13.0, 1.2 + 0.42 * len(table)), layout="constrained")
+    axes = fig.subplots(max(1, len(models)), 2, squeeze=False,
+                        height_ratios=[max(1, (table["model"] == m).sum()) for m in models] or [1])  # fmt: skip
+    for (left, right), model in zip(axes, models, strict=False):
+        cases = table[table["model"] == model].reset_index(drop=True)
+        done = cases[cases["step_s"].notna()].reset_index(drop=True)
+        if done.empty:
+            _note(left, f"{model}: no case finished")
+            right.set_axis_off()
+            continue
+        frame = done.rename(columns={f"{p}_s": f"timing_s/{p}" for p in (*PHASES, "step")})
+        positions = list(range(len(done)))
+        _stack_phases(left, positions, frame, horizontal=True)
+        left.set_yticks(positions, done["case"])
+        left.invert_yaxis()
+        left.set_xlabel("seconds per step (steady state)")
+        left.set_title(f"{model}: step time by phase", fontsize=10)
+        right.barh(positions, done["tokens_per_s_per_gpu"], 0.6, color="#4C72B0")
+        for position, (rate, speedup) in enumerate(zip(done["tokens_per_s_per_gpu"], done["speedup_vs_baseline"],
+                                                        strict=True)):  # fmt: skip
+            label = f"{rate:,.0f}" + ("" if _isnan(speedup) or speedup is None else f"  ({speedup:.2f}×)")
+            right.annotate(label, (rate, position), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        right.set_yticks(positions, [""] * len(positions))
+        right.invert_yaxis()
+        right.margins(x=0.25)
+        right.set_xlabel("tokens/s per GPU used (speed-up over the baseline)")
+        right.set_title(f"{model}: throughput", fontsize=10)
+    return fig
 
 
 def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figure:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 
 def main(argv=None) -> None:
@@ -23,6 +24,7 @@ def main(argv=None) -> None:
     parser.add_argument("--mem", type=float, default=0.3, help="gpu_memory_utilization")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the settings and each repeat's tokens/s to this file")
     args = parser.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -34,19 +36,24 @@ def main(argv=None) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=args.completion, min_tokens=args.completion, ignore_eos=True)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(args.prompt_tokens)]} for i in range(args.prompts)]
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    rates = []
     for r in range(args.repeats):
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rates.append(tokens / seconds)
         print(f"repeat {r}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:,.0f} tokens/s "
               f"({args.prompts} × {args.completion}, mem {args.mem}, TP {args.tp})", flush=True)  # fmt: skip
+    if args.json:
+        from colocated_grpo.run_files import write_json
+
+        settings = {k: getattr(args, k) for k in ("model", "prompts", "prompt_tokens", "completion", "mem", "tp")}
+        write_json(Path(args.json), {"settings": settings, "tokens_per_s": rates})
 
 
 def resolve_model(name: str) -> str:
     """A conf/model option name (built if needed) or a path/hub id as is."""
-    from pathlib import Path
-
     from hydra import compose, initialize_config_dir
 
     conf = Path(__file__).resolve().parents[3] / "conf"
