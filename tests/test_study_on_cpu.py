@@ -54,6 +54,7 @@ def test_study_runs_every_case_and_tables_them(tiny_study):
     for row in (colocate, hf):
         phases = sum(row[f"{p}_s"] for p in ("generate", "sync_weights", "sleep_wake", "reward", "train", "other"))
         assert phases == pytest.approx(row["step_s"], rel=1e-3)
+        assert row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
         assert row["tokens_per_s_per_gpu"] > 0 and 0 < row["params_b"] < 0.1 and row["steps"] == 3
     assert colocate["placement"] == "colocate" and colocate["sync_s_per_b_params"] > 0
     assert colocate["gen_tokens_per_s_per_engine"] > 0
@@ -108,3 +109,19 @@ def test_every_case_of_the_shipped_studies_composes_and_validates(definition):
                 validate(cfg, world=int(cfg.parallelism.nproc_per_node))
                 global_batch = cfg.trainer.per_device_train_batch_size * cfg.parallelism.nproc_per_node
                 assert global_batch == 64, f"{case}: every case does the same work per step"
+
+
+def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):
+    """results.csv in sweeps/results/h200_x2 is what `study report` makes of the run files kept beside it."""
+    import shutil
+
+    kept = study.REPO / "sweeps" / "results" / "h200_x2"
+    copy = tmp_path / "h200_x2"
+    shutil.copytree(kept, copy, ignore=shutil.ignore_patterns("results.*", "study.png"))
+    study.report(copy)
+    assert pd.read_csv(copy / "results.csv").equals(pd.read_csv(kept / "results.csv"))
+    table = pd.read_csv(kept / "results.csv").set_index(["model", "case"])
+    assert (table["status"] == "finished").all() and len(table) == 12
+    sleep, awake = table.loc[("qwen2.5-1.5b-random", "colocate_sleep_tp1_mem0.3")], table.loc[
+        ("qwen2.5-1.5b-random", "colocate_tp1_mem0.3")]  # fmt: skip
+    assert sleep["sleep_wake_s"] > 0 and sleep["train_mem_gb"] < awake["train_mem_gb"] / 2

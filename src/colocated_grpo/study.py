@@ -30,16 +30,16 @@ from pathlib import Path
 import yaml
 
 from colocated_grpo import analysis
-from colocated_grpo.run_files import git_state, package_versions, read_json, write_json
+from colocated_grpo.run_files import git_state, package_versions, read_json, read_jsonl, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Columns of results.csv, in order.
 COLUMNS = (
     "model", "case", "status", "placement", "train_gpus", "gpus", "tp", "gpu_memory_utilization", "params_b",
-    "step_s", "generate_s", "sync_weights_s", "sleep_wake_s", "reward_s", "train_s", "other_s",
+    "step_s", "step_s_min", "step_s_max", "generate_s", "sync_weights_s", "sleep_wake_s", "reward_s", "train_s", "other_s",
     "tokens_per_s_per_gpu", "tokens_per_s_per_train_gpu", "gen_tokens_per_s_per_engine", "speedup_vs_baseline",
-    "util_generate", "util_sync_weights", "util_train", "peak_gb", "sync_s_per_b_params", "steps", "note",
+    "util_generate", "util_sync_weights", "util_train", "peak_gb", "train_mem_gb", "sync_s_per_b_params", "steps", "note",
 )  # fmt: skip
 
 
@@ -187,6 +187,16 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
     }  # fmt: skip
     for phase in ("generate", "sync_weights", "sleep_wake", "reward", "train", "other"):
         row[f"{phase}_s"] = summary.get(f"timing_s/{phase}")
+    warmup = summary.get("steady_state/warmup_steps", 1)
+    run_dir = case_dir / job["dir"]
+    steady = [m["timing_s/step"] for m in _read(run_dir / "metrics.jsonl")
+              if m.get("train/global_step", 0) > warmup and "timing_s/step" in m]  # fmt: skip
+    if steady:
+        row["step_s_min"], row["step_s_max"] = min(steady), max(steady)
+    # What training has to itself: the most memory held on a training GPU while training (sleep mode frees vLLM's).
+    in_train = [s["mem_gb"] for s in _read(run_dir / "gpu_samples.jsonl") if s.get("phase") == "train"
+                and s.get("train/global_step", 0) > warmup and not str(s.get("gpu")).startswith("server")]  # fmt: skip
+    row["train_mem_gb"] = max(in_train) if in_train else None
     params = summary.get("model/params")
     row["params_b"] = params / 1e9 if params else None
     if params and row["placement"] in ("colocate", "colocate_sleep", "server") and row["sync_weights_s"]:
@@ -197,6 +207,10 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
     elif gen and row["placement"] == "server":
         row["gen_tokens_per_s_per_engine"] = gen  # one engine on the server GPU(s)
     return row
+
+
+def _read(path: Path) -> list[dict]:
+    return read_jsonl(path) if path.exists() else []
 
 
 def bench_rows(out: str | Path) -> list[dict]:
@@ -217,6 +231,8 @@ def report(out: str | Path) -> list[Path]:
     from colocated_grpo import plots
 
     out = Path(out)
+    if not (out / "study.yaml").exists():
+        raise SystemExit(f"{out}: no study.yaml here; give a directory written by `python -m colocated_grpo.study run`")
     table = pd.DataFrame(rows(out), columns=list(COLUMNS))
     table.to_csv(out / "results.csv", index=False, float_format="%.4g")
     figure = out / "study.png"
@@ -235,21 +251,26 @@ def markdown(out: Path, table, benches: list[dict]) -> str:
         "",
         f"- Date: {env.get('date', '?')}; GPUs: {', '.join(env.get('gpus', [])) or '?'}; driver {env.get('driver')}",
         "- Versions: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "vllm", "trl", "transformers") if k in v),
-        f"- Definition: `{out / 'study.yaml'}` (baseline for speed-ups: `{study['baseline']}`)",
+        f"- Definition: `study.yaml` in this directory (baseline for speed-ups: `{study['baseline']}`)",
         "",
-        "Steady-state means over the steps after warm-up. tok/s/GPU counts every GPU used (the server's too);",
-        "speed-up = baseline step time / case step time (every case does the same work per step).",
+        "Steady-state means over the steps after warm-up, with the fastest and slowest of those steps. tok/s/GPU",
+        "counts every GPU used (the server's too); speed-up = baseline step time / case step time (every case does",
+        "the same work per step). Peak GB: the most any GPU held (a server's included); GB while training: the most",
+        "a training GPU held during the train phase (sleep mode hands vLLM's share back to training then).",
         "",
-        "| model | case | GPUs | step s | gen s | sync s | sleep/wake s | train s | tok/s/GPU | speed-up | "
-        "util gen % | util train % | peak GB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | case | GPUs | step s (min–max) | gen s | sync s | sleep/wake s | train s | tok/s/GPU | speed-up | "
+        "util gen % | util train % | peak GB | GB while training |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for _, r in table.iterrows():
         lines.append("| " + " | ".join([
             r["model"], r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"), _gpus(r),
-            *(_num(r[k], "{:.3f}") for k in ("step_s", "generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
+            _num(r["step_s"], "{:.3f}") + (f" ({r['step_s_min']:.2f}–{r['step_s_max']:.2f})"
+                                           if not _missing(r["step_s_min"]) else ""),
+            *(_num(r[k], "{:.3f}") for k in ("generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
             _num(r["tokens_per_s_per_gpu"], "{:,.0f}"), _num(r["speedup_vs_baseline"], "{:.2f}×"),
-            *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")), _num(r["peak_gb"], "{:.1f}"),
+            *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
+            *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb")),
         ]) + " |")  # fmt: skip
     lines += ["", "## Generation and weight sync", "",
               "| model | case | generation tok/s per engine | sync s | sync s per 1e9 params |", "|---|---|---:|---:|---:|"]
