@@ -35,6 +35,7 @@ def test_default_run_records_phase_timings_and_throughput(default_run):
         assert m["timing_s/step"] <= m["step_time"] * 1.1 + 0.05
         assert m["perf/tokens_per_s"] > 0 and m["perf/gen_tokens_per_s"] > 0
         assert not any(k.startswith("gpu/") for k in m), "no NVML on this machine: no GPU metrics"
+        assert m["model/params"] > 0 and m["vllm/kv_cache_tokens"] > 0
     # tokens counted by the telemetry match TRL's own cumulative count
     assert sum(m["perf/tokens"] for m in metrics) == metrics[-1]["num_tokens"]
     summary = json.loads((default_run.dir / "summary.json").read_text())
@@ -91,8 +92,10 @@ def test_fixed_completion_length_stops_early_eos_in_vllm(train, default_run):
     """The tiny random model emits EOS early now and then (the default run, same seed, has short completions);
     run.fixed_completion_length makes vLLM generate exactly max_completion_length tokens every time."""
     assert min(m["completions/min_length"] for m in default_run.metrics()) < 32
-    run = train("run.fixed_completion_length=true", "logger=none")
+    run = train("run.fixed_completion_length=true", "logger=none", "run.cpu_kvcache_gb=2")
     assert all(m["completions/min_length"] == m["completions/max_length"] == 32 for m in run.metrics())
+    # the logged KV-cache capacity follows the memory given to it (1 GiB in the default run, 2 here)
+    assert run.metrics()[0]["vllm/kv_cache_tokens"] == 2 * default_run.metrics()[0]["vllm/kv_cache_tokens"]
 
 
 def test_none_placement_uses_transformers_generate(train):
@@ -100,6 +103,7 @@ def test_none_placement_uses_transformers_generate(train):
     assert [m["train/global_step"] for m in run.metrics()] == [1, 2]
     # transformers' generate gets min_new_tokens: every completion at full length
     assert all(m["completions/min_length"] == 32 for m in run.metrics())
+    assert "vllm/kv_cache_tokens" not in run.metrics()[0], "no engine, no KV cache"
     assert json.loads((run.dir / "run.json").read_text())["placement"] == "none"
     assert "vLLM" not in run.output
 

@@ -31,7 +31,7 @@ SUMMARY_KEYS = (
     "timing_s/train", "timing_s/other", "perf/tokens_per_s", "perf/tokens_per_s_per_gpu",
     "perf/tokens_per_s_per_train_gpu", "perf/gen_tokens_per_s",
     "gpu/util_generate", "gpu/util_sync_weights", "gpu/util_reward", "gpu/util_train",
-    "memory/peak_gb",
+    "memory/peak_gb", "vllm/kv_cache_tokens",
 )  # fmt: skip
 
 # Where a job ran: placement name, trainer processes, GPUs used (a vLLM server's included), and vLLM's TP size and

@@ -88,6 +88,7 @@ class TelemetryCallback(TrainerCallback):
         self.phases_writer: JsonlWriter | None = None
         self.pending: dict[str, float] = {}
         self.n_params: int | None = None
+        self.constants: dict[str, float] = {}  # logged with every step: model size, KV-cache capacity
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -107,6 +108,10 @@ class TelemetryCallback(TrainerCallback):
         elif state.is_world_process_zero:
             log.warning("NVML is not available (no NVIDIA GPU): logging phase timings and throughput without GPU metrics")
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
+        self.constants = {"model/params": float(self.n_params)}
+        kv_tokens = hooks.kv_cache_tokens(self.trainer)
+        if kv_tokens is not None:
+            self.constants["vllm/kv_cache_tokens"] = float(kv_tokens)
         if state.is_world_process_zero:
             self.samples_writer = JsonlWriter(self.run_dir / "gpu_samples.jsonl")
             self.phases_writer = JsonlWriter(self.run_dir / "phases.jsonl")
@@ -151,7 +156,7 @@ class TelemetryCallback(TrainerCallback):
                 self.samples_writer.write(
                     {"train/global_step": state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
                 )
-        metrics["model/params"] = float(self.n_params)  # for per-parameter costs (weight sync s per 1e9 params)
+        metrics.update(self.constants)
         metrics["telemetry/barrier_s"] = barrier_s
         metrics["telemetry/callback_s"] = time.perf_counter() - t0
         if self.sampler is not None:

@@ -59,3 +59,13 @@ def install(trainer, tracker: PhaseTracker, tokens: TokenCounter) -> None:
         if llm is not None and getattr(generation, "enable_sleep_mode", False):
             _wrap(llm, "sleep", tracker, "sleep_wake")
             _wrap(llm, "wake_up", tracker, "sleep_wake")
+
+
+def kv_cache_tokens(trainer) -> int | None:
+    """Tokens the colocated engine's KV cache holds (blocks × block size), what its memory share buys; None without
+    an in-process engine (server placement, no vLLM) or before vLLM has sized its cache."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    if cache is None or not cache.num_gpu_blocks:
+        return None
+    return int(cache.num_gpu_blocks) * int(cache.block_size)
