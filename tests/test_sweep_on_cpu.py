@@ -112,6 +112,13 @@ def test_summary_csv_has_one_row_per_job_with_the_runs_numbers(tiny_sweep):
     assert pd.isna(rows.iloc[2]["timing_s/step"]) and pd.isna(rows.iloc[0]["memory/peak_gb"])
     # the table printed at the end holds the same numbers
     assert f"{done['perf/tokens_per_s_per_gpu']:.4g}" in proc.stdout
+    # counts stay integers in the file, even in columns with empty cells (failed and skipped jobs)
+    import csv
+
+    with open(sweep_dir / "summary.csv") as f:
+        text_rows = list(csv.DictReader(f))
+    assert [r["steps"] for r in text_rows] == ["2", "", "", ""]
+    assert [r["exit_code"] for r in text_rows][:2] == ["0", "1"] and text_rows[0]["world_size"] == "2"
 
 
 def read_wandb_run_record(path: Path):

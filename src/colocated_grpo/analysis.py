@@ -277,9 +277,10 @@ def _numeric(frame):
     """Number columns as numbers (NaN where a job has none), not objects holding None."""
     import pandas as pd
 
-    for key in ("world_size", "gpus", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization", *SUMMARY_KEYS,
-                "reward", "steps"):  # fmt: skip
+    for key in ("vllm_gpu_memory_utilization", *SUMMARY_KEYS, "reward"):
         frame[key] = pd.to_numeric(frame[key])
+    for key in ("job", "exit_code", "world_size", "gpus", "vllm_tensor_parallel_size", "steps"):
+        frame[key] = pd.to_numeric(frame[key]).astype("Int64")  # counts stay integers next to empty cells
     return frame
 
 

@@ -457,4 +457,7 @@ def _placement_order(placement) -> int:
 
 
 def _isnan(value) -> bool:
-    return isinstance(value, float) and math.isnan(value)
+    """NaN or pandas' NA (the empty cell of an integer column); None is not."""
+    import pandas as pd
+
+    return value is not None and pd.api.types.is_scalar(value) and bool(pd.isna(value))
