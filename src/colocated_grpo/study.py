@@ -278,11 +278,13 @@ def markdown(out: Path, table, benches: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['case']} | {_num(r['gen_tokens_per_s_per_engine'], '{:,.0f}')} | "
                      f"{_num(r['sync_weights_s'], '{:.3f}')} | {_num(r['sync_s_per_b_params'], '{:.3f}')} |")  # fmt: skip
     if benches:
-        lines += ["", "Standalone `LLM.generate` (bench/vllm_generate.py, one engine alone on a GPU):", "",
-                  "| model | bench | tokens/s | completions × tokens | mem | TP |", "|---|---|---:|---|---:|---:|"]
+        lines += ["", "Standalone `LLM.generate` (bench/vllm_generate.py, one engine alone on a GPU; engine `trl`: built",
+                  "like TRL's colocated engine, in-process):", "",
+                  "| model | bench | engine | tokens/s | completions × tokens | mem | TP |", "|---|---|---|---:|---|---:|---:|"]
         for b in benches:
-            lines.append(f"| {b['model']} | {b['name']} | {_num(b['tokens_per_s'], '{:,.0f}')} | "
-                         f"{b.get('prompts')} × {b.get('completion')} | {b.get('mem')} | {b.get('tp')} |")  # fmt: skip
+            lines.append(f"| {b['model']} | {b['name']} | {b.get('engine', 'default')} | "
+                         f"{_num(b['tokens_per_s'], '{:,.0f}')} | {b.get('prompts')} × {b.get('completion')} | "
+                         f"{b.get('mem')} | {b.get('tp')} |")  # fmt: skip
     lines += ["", "## Commands", "", "```"]
     for model in study["models"]:
         for case in study["cases"]:
