@@ -95,6 +95,37 @@ def test_running_again_keeps_finished_cases(tiny_study, run_env, tmp_path):
     assert after.loc[0, "step_s"] == pd.read_csv(pd.io.common.StringIO(before)).loc[0, "step_s"]
 
 
+def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, tmp_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    definition, out = tmp_path / "long.yaml", tmp_path / "out"
+    definition.write_text(yaml.safe_dump({"models": ["tiny"], "common": ["logger=none"], "baseline": "long",
+                                          "cases": {"long": ["trainer.max_steps=500"], "next": []}}))  # fmt: skip
+    study_proc = subprocess.Popen([sys.executable, "-m", "colocated_grpo.study", "run", str(definition), "--out", "out"],
+                                  cwd=tmp_path, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not list(out.glob("runs/tiny/long/0_*/run.json")):  # the case's training has started
+            assert study_proc.poll() is None and time.monotonic() < deadline, study_proc.stdout.read()
+            time.sleep(0.5)
+        children = psutil.Process(study_proc.pid).children(recursive=True)
+        os.kill(study_proc.pid, signal.SIGINT)
+        output, _ = study_proc.communicate(timeout=120)
+    finally:
+        if study_proc.poll() is None:
+            os.killpg(study_proc.pid, signal.SIGKILL)
+    assert study_proc.returncode == 130 and "run the same command again to continue" in output, output[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"left behind: {alive}"
+    assert study.case_status(out / "runs" / "tiny" / "long") == "interrupted"
+    assert not (out / "runs" / "tiny" / "next").exists(), "nothing after the interrupted case started"
+
+
 def test_bad_study_definitions_are_refused(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"models": [], "cases": {"a": "vllm=none"}, "baseline": "b"}))

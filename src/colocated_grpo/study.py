@@ -22,14 +22,14 @@ import math
 import os
 import platform
 import shlex
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from colocated_grpo import analysis
+from colocated_grpo import analysis, processes
 from colocated_grpo.run_files import git_state, package_versions, read_json, read_jsonl, write_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,13 +80,24 @@ def bench_command(model: str, args: list[str], out: Path) -> list[str]:
 
 
 def run(definition: str | Path, out: str | Path) -> None:
-    study, out = load(definition), Path(out)
+    study, out = load(definition), Path(out).resolve()  # jobs write where this process means, whatever their cwd
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(definition).read_text())
     write_json(out / "env.json", [*environments(out), environment()])  # a continued study may change machine
     steps = [(m, kind, name) for m in study["models"]
              for kind, names in (("case", study["cases"]), ("bench", study["bench"])) for name in names]  # fmt: skip
     started = time.monotonic()
+    try:
+        _run_steps(study, out, steps)
+    except KeyboardInterrupt:  # the job in flight was stopped with SIGINT and recorded as interrupted
+        print(f"study interrupted after {time.monotonic() - started:.0f} s; run the same command again to continue",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(130)
+    print(f"study done in {time.monotonic() - started:.0f} s; report: python -m colocated_grpo.study report {out}")
+    report(out)
+
+
+def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]]) -> None:
     for i, (model, kind, name) in enumerate(steps, 1):
         label = f"[{i}/{len(steps)}] {model} {name}"
         if kind == "case":
@@ -102,16 +113,14 @@ def run(definition: str | Path, out: str | Path) -> None:
                 print(f"{label}: measured earlier, kept", flush=True)
                 continue
             _run_logged(bench_command(model, study["bench"][name], path), path.with_suffix(".log"), label)
-    print(f"study done in {time.monotonic() - started:.0f} s; report: python -m colocated_grpo.study report {out}")
-    report(out)
 
 
 def _run_logged(command: list[str], log: Path, label: str) -> int:
-    log.parent.mkdir(parents=True, exist_ok=True)
+    """Run one step of the study; on Ctrl-C it gets SIGINT (a sweep then records its job as interrupted)."""
     print(f"{label}: {shlex.join(command)}", flush=True)
     t0 = time.monotonic()
-    with open(log, "w") as f:
-        code = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    log.unlink(missing_ok=True)
+    code = processes.run(command, log, grace_s=60, first_signal=signal.SIGINT)
     print(f"    exit {code} after {time.monotonic() - t0:.0f} s (log: {log})", flush=True)
     return code
 
