@@ -100,6 +100,17 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
     return run_dir
 
 
+def run_and_exit(cfg: DictConfig) -> None:
+    """`run`, then end the process at once when it finished: the run's files, W&B and process group are closed by
+    then, and the interpreter's own teardown can still abort a finished run on native threads left by vLLM and the
+    collectives ("terminate called without an active exception", exit -6), which a sweep would record as failed."""
+    run(cfg)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _launch_server_placement(cfg: DictConfig, run_dir: Path) -> Path:
     """This process only orchestrates: vLLM server on the last GPUs, a torchrun trainer on the others."""
     plan = server.plan(cfg, server.visible_gpus())
