@@ -64,7 +64,7 @@ def run_summary(run_dir: str | Path) -> dict:
     """
     run_dir = Path(run_dir)
     summary = read_json(run_dir / "summary.json") or {}
-    metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     run = read_json(run_dir / "run.json") or {}
     row = summary_row(summary, metrics, int(run.get("world_size") or 1))
     row["source"] = "summary.json" if summary else ("metrics.jsonl" if metrics else None)
@@ -160,7 +160,7 @@ def load_run(run_dir: str | Path):
     import pandas as pd
 
     path = Path(run_dir) / "metrics.jsonl"
-    frame = pd.DataFrame(read_jsonl(path) if path.exists() else [])
+    frame = pd.DataFrame(read_jsonl(path))
     if "train/global_step" not in frame:
         return pd.DataFrame(columns=["train/global_step"])
     return frame.sort_values("train/global_step", kind="stable").reset_index(drop=True)
@@ -173,7 +173,7 @@ def load_gpu_samples(run_dir: str | Path):
     import pandas as pd
 
     path = Path(run_dir) / "gpu_samples.jsonl"
-    frame = pd.DataFrame(read_jsonl(path) if path.exists() else [], columns=list(SAMPLE_COLUMNS))
+    frame = pd.DataFrame(read_jsonl(path), columns=list(SAMPLE_COLUMNS))
     frame["gpu"] = frame["gpu"].astype(str)
     return frame.sort_values(["rank", "t", "gpu"], kind="stable").reset_index(drop=True)
 

@@ -89,7 +89,10 @@ def read_json(path: str | Path) -> dict | None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """All complete lines of a JSONL file (a torn last line from a killed writer is skipped)."""
+    """All complete lines of a JSONL file (a torn last line from a killed writer is skipped); [] when there is no
+    such file yet (a run that logged nothing)."""
+    if not Path(path).exists():
+        return []
     records = []
     with open(path, encoding="utf-8") as f:
         for line in f:

@@ -204,12 +204,12 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
         row[f"{phase}_s"] = summary.get(f"timing_s/{phase}")
     warmup = summary.get("steady_state/warmup_steps", 1)
     run_dir = case_dir / job["dir"]
-    steady = [m["timing_s/step"] for m in _read(run_dir / "metrics.jsonl")
+    steady = [m["timing_s/step"] for m in read_jsonl(run_dir / "metrics.jsonl")
               if m.get("train/global_step", 0) > warmup and "timing_s/step" in m]  # fmt: skip
     if steady:
         row["step_s_min"], row["step_s_max"] = min(steady), max(steady)
     # What training has to itself: the most memory held on a training GPU while training (sleep mode frees vLLM's).
-    in_train = [s["mem_gb"] for s in _read(run_dir / "gpu_samples.jsonl") if s.get("phase") == "train"
+    in_train = [s["mem_gb"] for s in read_jsonl(run_dir / "gpu_samples.jsonl") if s.get("phase") == "train"
                 and s.get("train/global_step", 0) > warmup and not str(s.get("gpu")).startswith("server")]  # fmt: skip
     row["train_mem_gb"] = max(in_train) if in_train else None
     params = summary.get("model/params")
@@ -222,10 +222,6 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
     elif gen and row["placement"] == "server":
         row["gen_tokens_per_s_per_engine"] = gen  # one engine on the server GPU(s)
     return row
-
-
-def _read(path: Path) -> list[dict]:
-    return read_jsonl(path) if path.exists() else []
 
 
 def bench_rows(out: str | Path) -> list[dict]:

@@ -41,7 +41,7 @@ class MetricsFileCallback(TrainerCallback):
         if self.writer is None:
             path = self.run_dir / "metrics.jsonl"
             # a resumed run keeps the steps before its checkpoint (the file was cut back to them) in its summary
-            for earlier in read_jsonl(path) if path.exists() else []:
+            for earlier in read_jsonl(path):
                 self.steady.add(earlier)
             self.writer = JsonlWriter(path)
         record = {"train/global_step": state.global_step, **logs}
