@@ -115,27 +115,30 @@ def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]]) -> Non
             _run_logged(bench_command(model, study["bench"][name], path), path.with_suffix(".log"), label)
 
 
-def _run_logged(command: list[str], log: Path, label: str) -> int:
+def _run_logged(command: list[str], log: Path, label: str) -> None:
     """Run one step of the study; on Ctrl-C it gets SIGINT (a sweep then records its job as interrupted)."""
     print(f"{label}: {shlex.join(command)}", flush=True)
     t0 = time.monotonic()
     log.unlink(missing_ok=True)
-    code = processes.run(command, log, grace_s=60, first_signal=signal.SIGINT)
+    code = processes.run(command, log, grace_s=60, first_signal=signal.SIGINT)  # a failed case is in its job.json
     print(f"    exit {code} after {time.monotonic() - t0:.0f} s (log: {log})", flush=True)
-    return code
+
+
+def _job(case_dir: Path) -> dict | None:
+    """The row (analysis.COLUMNS) of a case's one job; None when it never ran."""
+    return next(iter(analysis.load_jobs(case_dir)), None)
 
 
 def case_status(case_dir: Path) -> str | None:
     """The status of a case's job (finished, failed, skipped, …); None when it never ran."""
-    jobs = analysis.load_jobs(case_dir) if case_dir.exists() else []
-    return jobs[0]["status"] if jobs else None
+    job = _job(case_dir)
+    return job["status"] if job else None
 
 
 def describe(case_dir: Path) -> str:
-    jobs = analysis.load_jobs(case_dir) if case_dir.exists() else []
-    if not jobs:
+    job = _job(case_dir)
+    if job is None:
         return "no job ran (see sweep.log)"
-    job = jobs[0]
     if job["status"] != "finished" or job.get("timing_s/step") is None:
         return f"{job['status']}: {job.get('note') or ''}".strip()
     return f"finished: {job['timing_s/step']:.3f} s/step, {job['perf/tokens_per_s_per_gpu']:,.0f} tokens/s/GPU"
@@ -170,10 +173,8 @@ def environment() -> dict:
 # ------------------------------------------------------------------------------------------------------- report
 
 
-def rows(out: str | Path) -> list[dict]:
+def rows(out: Path, study: dict) -> list[dict]:
     """One row per (model, case) of a study directory (COLUMNS), speed-ups against the study's baseline case."""
-    out = Path(out)
-    study = load(out / "study.yaml")
     table = []
     for model in study["models"]:
         by_case = {case: _case_row(out / "runs" / model / case, model, case) for case in study["cases"]}
@@ -186,10 +187,9 @@ def rows(out: str | Path) -> list[dict]:
 
 
 def _case_row(case_dir: Path, model: str, case: str) -> dict:
-    jobs = analysis.load_jobs(case_dir) if case_dir.exists() else []
-    if not jobs:
+    job = _job(case_dir)
+    if job is None:
         return {"model": model, "case": case, "status": "not run"}
-    job = jobs[0]
     summary = read_json(case_dir / job["dir"] / "summary.json") or {}
     row = {
         "model": model, "case": case, "status": job["status"], "placement": job["placement"],
@@ -201,7 +201,7 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
         "peak_gb": job["memory/peak_gb"], "steps": job["steps"], "note": job["note"],
     }  # fmt: skip
     for phase in ("generate", "sync_weights", "sleep_wake", "reward", "train", "other"):
-        row[f"{phase}_s"] = summary.get(f"timing_s/{phase}")
+        row[f"{phase}_s"] = job[f"timing_s/{phase}"]
     warmup = summary.get("steady_state/warmup_steps", 1)
     run_dir = case_dir / job["dir"]
     steady = [m["timing_s/step"] for m in read_jsonl(run_dir / "metrics.jsonl")
@@ -216,7 +216,7 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
     row["params_b"] = params / 1e9 if params else None
     if params and row["placement"] in ("colocate", "colocate_sleep", "server") and row["sync_weights_s"]:
         row["sync_s_per_b_params"] = row["sync_weights_s"] / (params / 1e9)
-    gen = summary.get("perf/gen_tokens_per_s")
+    gen = job["perf/gen_tokens_per_s"]
     if gen and row["placement"] in ("colocate", "colocate_sleep"):
         row["gen_tokens_per_s_per_engine"] = gen / (row["train_gpus"] / (row["tp"] or 1))  # one engine per TP group
     elif gen and row["placement"] == "server":
@@ -244,18 +244,18 @@ def report(out: str | Path) -> list[Path]:
     out = Path(out)
     if not (out / "study.yaml").exists():
         raise SystemExit(f"{out}: no study.yaml here; give a directory written by `python -m colocated_grpo.study run`")
-    table = pd.DataFrame(rows(out), columns=list(COLUMNS))
+    study = load(out / "study.yaml")
+    table = pd.DataFrame(rows(out, study), columns=list(COLUMNS))
     table.to_csv(out / "results.csv", index=False, float_format="%.4g")
     figure = out / "study.png"
     plots.study_figure(table).savefig(figure, dpi=120)
-    (out / "results.md").write_text(markdown(out, table, bench_rows(out)))
+    (out / "results.md").write_text(markdown(out, study, table, bench_rows(out)))
     for path in (out / "results.csv", out / "results.md", figure):
         print(path)
     return [out / "results.csv", out / "results.md", figure]
 
 
-def markdown(out: Path, table, benches: list[dict]) -> str:
-    study = load(out / "study.yaml")
+def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
     lines = [f"# Study results: {out.name}", ""]
     for env in environments(out):
         v = env.get("versions", {})
