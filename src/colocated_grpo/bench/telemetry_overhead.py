@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
+from colocated_grpo import processes
 from colocated_grpo.processes import train_command
 from colocated_grpo.run_files import read_jsonl
 
@@ -21,9 +21,8 @@ def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dic
     run_dir = out / name
     cmd = train_command(nproc, [*overrides, f"parallelism.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", "logger=none"])
     print(f"[{name}] {' '.join(cmd)}", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "launch.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    (run_dir / "launch.log").unlink(missing_ok=True)
+    rc = processes.run(cmd, run_dir / "launch.log")  # Ctrl-C stops torchrun, its workers and vLLM's processes too
     if rc != 0:
         sys.exit(f"[{name}] failed with exit code {rc}; see {run_dir / 'launch.log'}")
     return read_jsonl(run_dir / "metrics.jsonl")

@@ -82,7 +82,9 @@ def resolve_model(name: str) -> str:
     """A conf/model option name (built if needed) or a path/hub id as is."""
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parents[3] / "conf"
+    from colocated_grpo.processes import REPO
+
+    conf = REPO / "conf"
     if not (conf / "model" / f"{name}.yaml").exists():
         return name
     from colocated_grpo.models import resolve
