@@ -266,11 +266,11 @@ def load_jobs(sweep_dir: str | Path) -> list[dict]:
     return rows
 
 
-def load_sweep(sweep_dir: str | Path):
-    """The sweep summary as a pandas DataFrame (one row per job, COLUMNS)."""
+def load_sweep(sweep_dir: str | Path, rows: list[dict] | None = None):
+    """The sweep summary as a pandas DataFrame (one row per job, COLUMNS); `rows`: load_jobs' result, if at hand."""
     import pandas as pd
 
-    return _numeric(pd.DataFrame(load_jobs(sweep_dir), columns=list(COLUMNS)))
+    return _numeric(pd.DataFrame(load_jobs(sweep_dir) if rows is None else rows, columns=list(COLUMNS)))
 
 
 def _numeric(frame):
@@ -284,19 +284,19 @@ def _numeric(frame):
     return frame
 
 
-def write_summary(sweep_dir: str | Path) -> Path:
-    """Write SWEEP_DIR/summary.csv from the job directories; returns its path."""
+def write_summary(sweep_dir: str | Path, rows: list[dict] | None = None) -> Path:
+    """Write SWEEP_DIR/summary.csv from the job directories (or load_jobs' `rows`); returns its path."""
     path = Path(sweep_dir) / SUMMARY_CSV
-    load_sweep(sweep_dir).to_csv(path, index=False)
+    load_sweep(sweep_dir, rows).to_csv(path, index=False)
     return path
 
 
-def print_summary(sweep_dir: str | Path, file=None) -> None:
+def print_summary(sweep_dir: str | Path, file=None, rows: list[dict] | None = None) -> None:
     """Print the summary as a table (rich)."""
     from rich.console import Console
     from rich.table import Table
 
-    rows = load_jobs(sweep_dir)
+    rows = load_jobs(sweep_dir) if rows is None else rows
     counts = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -411,8 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 1 or argv[0].startswith("-"):
         sys.exit("usage: python -m colocated_grpo.analysis SWEEP_DIR\n"
                  "       python -m colocated_grpo.analysis render SWEEP_OR_RUN_DIR [--out DIR]")  # fmt: skip
-    print_summary(argv[0])
-    print(f"summary: {write_summary(argv[0])}")
+    rows = load_jobs(argv[0])
+    print_summary(argv[0], rows=rows)
+    print(f"summary: {write_summary(argv[0], rows)}")
 
 
 if __name__ == "__main__":

@@ -257,13 +257,12 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
         job.status = "interrupted"
         raise
     finally:
-        record = job.record(
+        outcome = dict(
             command=command, started=started, ended=now(), duration_s=round(time.monotonic() - t0, 1),
             exit_code=exit_code, log=log_path.name, log_tail=processes.tail(log_path, opts.log_tail_lines),
             error=error_line(log_path) if job.status != "finished" else None,
         )  # fmt: skip
-        if records:
-            job.save(**{k: v for k, v in record.items() if k not in dataclasses.asdict(job)})
+        record = job.save(**outcome) if records else job.record(**outcome)
     if job.status == "failed":
         log.warning("#%d failed (exit code %s): %s; see %s", job.num, exit_code, record["error"], log_path)
     else:
@@ -353,8 +352,9 @@ def _finish(sweep_dir: Path, jobs: list[Job], interrupted: bool):
     """Write and print the summary; end the sweep with exit code 130 when it was interrupted."""
     from hydra.core.utils import JobReturn, JobStatus
 
-    csv = analysis.write_summary(sweep_dir)
-    analysis.print_summary(sweep_dir)
+    rows = analysis.load_jobs(sweep_dir)  # every job's run files, read once for the file and the table
+    csv = analysis.write_summary(sweep_dir, rows)
+    analysis.print_summary(sweep_dir, rows=rows)
     log.info("sweep summary: %s", csv)
     if interrupted:
         log.error("sweep interrupted; jobs not run are marked cancelled in %s", csv)
