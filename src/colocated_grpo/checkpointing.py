@@ -65,12 +65,16 @@ class Checkpoint:
     step: int
 
 
+def _checkpoint_dirs(run_dir: Path):
+    """(directory, its completed step or None for a save cut short) of every checkpoint-N in the run directory."""
+    for path in Path(run_dir).glob("checkpoint-*"):
+        if path.is_dir() and _CHECKPOINT.match(path.name):
+            yield path, _completed_step(path)
+
+
 def checkpoints(run_dir: Path) -> list[Checkpoint]:
     """Complete checkpoints in the run directory, oldest first."""
-    found = []
-    for path in Path(run_dir).glob("checkpoint-*"):
-        if path.is_dir() and _CHECKPOINT.match(path.name) and (step := _completed_step(path)) is not None:
-            found.append(Checkpoint(path, step))
+    found = [Checkpoint(path, step) for path, step in _checkpoint_dirs(run_dir) if step is not None]
     return sorted(found, key=lambda c: c.step)
 
 
@@ -191,7 +195,8 @@ def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
         generation_keyed = path.name in GENERATION_KEYED
         records = read_jsonl(path)
         keep = [r for r in records if _keeps(r.get("train/global_step"), step, generation_keyed)]
-        total_lines = sum(1 for _ in open(path, encoding="utf-8"))
+        with open(path, encoding="utf-8") as f:
+            total_lines = sum(1 for _ in f)  # torn lines included: read_jsonl skipped them
         if len(keep) == total_lines:
             continue
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -211,8 +216,8 @@ def _keeps(record_step, step: int, generation_keyed: bool) -> bool:
 def remove_incomplete(run_dir: Path) -> list[str]:
     """Checkpoint directories without trainer_state.json are saves cut short; they cannot be resumed from."""
     removed = []
-    for path in Path(run_dir).glob("checkpoint-*"):
-        if path.is_dir() and _CHECKPOINT.match(path.name) and _completed_step(path) is None:
+    for path, step in _checkpoint_dirs(run_dir):
+        if step is None:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
