@@ -9,6 +9,7 @@ import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from colocated_grpo.telemetry.nvml import Sample
 from colocated_grpo.telemetry.phases import PHASES, Segment, StepPhases
@@ -25,6 +26,11 @@ class RankReport:
     samples: list[Sample] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+    @cached_property
+    def labelled(self) -> list[tuple[Sample, str]]:
+        """The samples with the phase each was taken in; computed once on rank 0 for the metrics and the files."""
+        return label_samples(self.samples, self.phases.segments)
 
 
 def label_samples(samples: list[Sample], segments: list[Segment]) -> list[tuple[Sample, str]]:
@@ -83,7 +89,7 @@ def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:
     for r in reports:
         for s in r.samples:
             by_gpu[s.gpu].append(s)
-        for s, phase in label_samples(r.samples, r.phases.segments):
+        for s, phase in r.labelled:
             by_phase[phase].append(s.util)
     for gpu, samples in sorted(by_gpu.items()):
         metrics[f"gpu/{gpu}/util"] = _mean(s.util for s in samples)

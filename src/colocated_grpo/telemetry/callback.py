@@ -152,7 +152,7 @@ class TelemetryCallback(TrainerCallback):
                     {"train/global_step": state.global_step, "rank": r.rank, "phase": seg.phase, "start": seg.start,
                      "end": seg.end}
                 )  # fmt: skip
-            for sample, phase in aggregate.label_samples(r.samples, r.phases.segments):
+            for sample, phase in r.labelled:
                 self.samples_writer.write(
                     {"train/global_step": state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
                 )
