@@ -18,7 +18,6 @@ With network and a W&B account, `load_wandb_run` and `load_wandb_sweep` read the
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -361,10 +360,17 @@ def _wandb_api():
     return wandb.Api()
 
 
+def missing(value) -> bool:
+    """A cell without a value: None, NaN, or pandas' NA (the empty cell of an integer column)."""
+    import pandas as pd
+
+    return value is None or (pd.api.types.is_scalar(value) and bool(pd.isna(value)))
+
+
 def _cell(value, max_chars: int | None = None) -> str:
     if isinstance(value, str) and max_chars and len(value) > max_chars:
         return value[: max_chars - 1] + "…"
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if missing(value):
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"

@@ -205,7 +205,7 @@ def study_figure(table) -> Figure:
         right.barh(positions, done["tokens_per_s_per_gpu"], 0.6, color="#4C72B0")
         for position, (rate, speedup) in enumerate(zip(done["tokens_per_s_per_gpu"], done["speedup_vs_baseline"],
                                                         strict=True)):  # fmt: skip
-            label = f"{rate:,.0f}" + ("" if _isnan(speedup) or speedup is None else f"  ({speedup:.2f}×)")
+            label = f"{rate:,.0f}" + ("" if analysis.missing(speedup) else f"  ({speedup:.2f}×)")
             right.annotate(label, (rate, position), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
         right.set_yticks(positions, [""] * len(positions))
         right.invert_yaxis()
@@ -435,13 +435,13 @@ def _job_label(row) -> str:
         name = key.lstrip("+~").rsplit(".", 1)[-1]
         parts.append(f"{_SHORT.get(name, name)}={value}")
     number = row.get("job")
-    head = f"#{int(number)}" if number is not None and not _isnan(number) else ""
+    head = f"#{int(number)}" if not analysis.missing(number) else ""
     return " ".join([head, *parts]).strip() or str(row.get("dir") or "job")
 
 
 def _gpus(row) -> str:
     train, used = row.get("world_size"), row.get("gpus")
-    if train is None or used is None or _isnan(train) or _isnan(used):
+    if analysis.missing(train) or analysis.missing(used):
         return ""
     return f"{int(train)} train + {int(used) - int(train)} serve GPUs"
 
@@ -455,9 +455,3 @@ def _placement_order(placement) -> int:
     order = ("colocate", "colocate_sleep", "server", "none")
     return order.index(placement) if placement in order else len(order)
 
-
-def _isnan(value) -> bool:
-    """NaN or pandas' NA (the empty cell of an integer column); None is not."""
-    import pandas as pd
-
-    return value is not None and pd.api.types.is_scalar(value) and bool(pd.isna(value))

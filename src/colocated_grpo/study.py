@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import shlex
@@ -278,7 +277,7 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
         lines.append("| " + " | ".join([
             r["model"], r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"), _gpus(r),
             _num(r["step_s"], "{:.3f}") + (f" ({r['step_s_min']:.2f}–{r['step_s_max']:.2f})"
-                                           if not _missing(r["step_s_min"]) else ""),
+                                           if not analysis.missing(r["step_s_min"]) else ""),
             *(_num(r[k], "{:.3f}") for k in ("generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
             _num(r["tokens_per_s_per_gpu"], "{:,.0f}"), _num(r["speedup_vs_baseline"], "{:.2f}×"),
             *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
@@ -310,18 +309,15 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
 
 def _gpus(row) -> str:
     train, used = row["train_gpus"], row["gpus"]
-    if _missing(train) or _missing(used):
+    if analysis.missing(train) or analysis.missing(used):
         return ""
     serve = int(used) - int(train)
     return f"{int(train)}" + (f"+{serve} serve" if serve else "")
 
 
 def _num(value, fmt: str) -> str:
-    return "" if _missing(value) else fmt.format(value)
+    return "" if analysis.missing(value) else fmt.format(value)
 
-
-def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def main(argv: list[str] | None = None) -> None:
