@@ -6,9 +6,9 @@ from omegaconf import DictConfig
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from colocated_grpo.runner import run_and_exit
+    from colocated_grpo.launch.entry import main as run
 
-    run_and_exit(cfg)
+    run(cfg)
 
 
 # vLLM spawns worker processes that re-import this module: the guard keeps them from re-running training.

@@ -21,7 +21,7 @@
 # come from the W&B API instead (the GPU samples are only in the run directory). Execute headless:
 #
 # ```bash
-# python -m colocated_grpo.notebook notebooks/run.py run_dir=outputs/runs/<time>_<name> -o run.executed.ipynb
+# python -m colocated_grpo.analysis.notebook notebooks/run.py run_dir=outputs/runs/<time>_<name> -o run.executed.ipynb
 # python -m colocated_grpo.analysis render outputs/runs/<time>_<name>     # the same figures as PNGs
 # ```
 

@@ -20,7 +20,7 @@
 # the source of truth) or, with `wandb_project`, from the W&B API. Set the parameters below, or execute headless:
 #
 # ```bash
-# python -m colocated_grpo.notebook notebooks/sweep.py sweep_dir=sweeps/<time>_<name> -o sweep.executed.ipynb
+# python -m colocated_grpo.analysis.notebook notebooks/sweep.py sweep_dir=sweeps/<time>_<name> -o sweep.executed.ipynb
 # python -m colocated_grpo.analysis render sweeps/<time>_<name>     # the same figures as PNGs, no notebook
 # ```
 

@@ -1,5 +1,6 @@
 """Shared helpers: run the real `train.py` (python or torchrun, or a sweep with -m) in a subprocess, on CPU, into
-a temp directory."""
+a temp directory. Every test that does (through the fixtures below) is marked `e2e`: `pytest -m "not e2e"` is the
+fast set, seconds instead of minutes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from colocated_grpo.processes import free_port
+from colocated_grpo.launch.processes import free_port
+from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import read_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+
+# A test that uses one of these starts real processes: train.py, a sweep, torchrun, vLLM.
+E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if E2E_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

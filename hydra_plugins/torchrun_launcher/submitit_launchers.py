@@ -1,6 +1,6 @@
 """`hydra/launcher=torchrun_slurm` (and `torchrun_submitit_local`): every sweep job is one SLURM job through
 hydra-submitit-launcher, one task per node, each task starting `torchrun` with the multi-node rendezvous taken from
-SLURM's environment. The work is done by colocated_grpo.sweep. Registered only when hydra-submitit-launcher is
+SLURM's environment. The work is done by colocated_grpo.launch. Registered only when hydra-submitit-launcher is
 installed."""
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 
-from colocated_grpo.sweep import Options
+from colocated_grpo.launch.sweep_plan import Options
 
 try:
     from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
@@ -29,10 +29,10 @@ if BaseSubmititLauncher is not None:
 
     class _TorchrunSubmititLauncher(BaseSubmititLauncher):
         def launch(self, job_overrides, initial_job_idx):
-            from colocated_grpo import sweep
+            from colocated_grpo.launch import sweep_slurm
 
             opts, params = Options.split(self.params)
-            return sweep.launch_submitit(self._EXECUTOR, params, self.hydra_context, self.config, self.task_function,
+            return sweep_slurm.launch_submitit(self._EXECUTOR, params, self.hydra_context, self.config, self.task_function,
                                          job_overrides, initial_job_idx, opts)  # fmt: skip
 
     class TorchrunSlurmLauncher(_TorchrunSubmititLauncher):

@@ -1,13 +1,13 @@
 """`hydra/launcher=torchrun`: every sweep job is its own `torchrun --nproc_per_node=N train.py …` on this machine,
-one after another, N being the job's `parallelism.nproc_per_node`. The work is done by colocated_grpo.sweep; the
-options (script, torchrun_args, stop_grace_s, log_tail_lines, dry_run) are colocated_grpo.sweep.Options."""
+one after another, N being the job's `parallelism.nproc_per_node`. The work is done by colocated_grpo.launch; the
+options (script, torchrun_args, stop_grace_s, log_tail_lines, dry_run) are colocated_grpo.launch.sweep_plan.Options."""
 
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.launcher import Launcher
 
-from colocated_grpo.sweep import Options
+from colocated_grpo.launch.sweep_plan import Options
 
 
 @dataclass
@@ -29,7 +29,7 @@ class TorchrunLauncher(Launcher):
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides, initial_job_idx):
-        from colocated_grpo import sweep
+        from colocated_grpo.launch import sweep_local
 
-        return sweep.launch_local(self.hydra_context, self.config, self.task_function, job_overrides, initial_job_idx,
+        return sweep_local.launch_local(self.hydra_context, self.config, self.task_function, job_overrides, initial_job_idx,
                                   self.options)  # fmt: skip

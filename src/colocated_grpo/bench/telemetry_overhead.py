@@ -13,9 +13,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from colocated_grpo import processes
-from colocated_grpo.processes import train_command
-from colocated_grpo.run_files import read_jsonl
+from colocated_grpo import run_files
+from colocated_grpo.launch import processes
+from colocated_grpo.launch.processes import train_command
+from colocated_grpo.run_files import STEP_KEY, read_jsonl
 
 def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
     run_dir = out / name
@@ -25,7 +26,7 @@ def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dic
     rc = processes.run(cmd, run_dir / "launch.log")  # Ctrl-C stops torchrun, its workers and vLLM's processes too
     if rc != 0:
         sys.exit(f"[{name}] failed with exit code {rc}; see {run_dir / 'launch.log'}")
-    return read_jsonl(run_dir / "metrics.jsonl")
+    return read_jsonl(run_dir / run_files.METRICS)
 
 
 def main(argv=None) -> None:
@@ -43,7 +44,7 @@ def main(argv=None) -> None:
         for mode in ("on", "off"):
             metrics = run_once(args.out, f"{mode}_{i}", args.nproc,
                                [*args.overrides, f"telemetry={'default' if mode == 'on' else 'off'}"])  # fmt: skip
-            rows = [m for m in metrics if m["train/global_step"] > args.warmup]
+            rows = [m for m in metrics if m[STEP_KEY] > args.warmup]
             if not rows:
                 sys.exit(f"no steps after {args.warmup} warm-up steps: raise trainer.max_steps")
             steady[mode] += [m["step_time"] for m in rows]

@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from colocated_grpo.compat import trl as trl_internals
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,23 +73,22 @@ def engine_kwargs(engine: str) -> dict:
     if engine == "default":
         return {}
     if "WORLD_SIZE" not in os.environ:  # one process of its own: the rendezvous external_launcher expects
-        from colocated_grpo.processes import free_port
+        from colocated_grpo.launch.processes import free_port
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return {"distributed_executor_backend": "external_launcher", "max_num_batched_tokens": 4096,
-            "logprobs_mode": "processed_logprobs"}  # fmt: skip
+    return dict(trl_internals.COLOCATE_ENGINE_KWARGS)
 
 
 def resolve_model(name: str) -> str:
     """A conf/model option name (built if needed) or a path/hub id as is."""
     from hydra import compose, initialize_config_dir
 
-    from colocated_grpo.processes import REPO
+    from colocated_grpo.provenance import REPO
 
     conf = REPO / "conf"
     if not (conf / "model" / f"{name}.yaml").exists():
         return name
-    from colocated_grpo.models import resolve
+    from colocated_grpo.training.models import resolve
 
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={name}"])

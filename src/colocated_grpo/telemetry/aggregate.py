@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from colocated_grpo.run_files import STEP_KEY
 from colocated_grpo.telemetry.nvml import Sample
 from colocated_grpo.telemetry.phases import PHASES, Segment, StepPhases
 
@@ -118,7 +119,7 @@ class SteadyState:
 
     def add(self, record: dict) -> None:
         self._all.add(record)
-        if record.get("train/global_step", 0) > self.warmup_steps:
+        if record.get(STEP_KEY, 0) > self.warmup_steps:
             self._steady.add(record)
         self._last = record
 
@@ -141,7 +142,7 @@ class _Means:
     def add(self, record: dict) -> None:
         self.records += 1
         for key, value in record.items():
-            if key == "train/global_step" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if key == STEP_KEY or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             self.counts[key] += 0  # a metric that is always NaN still gets a (NaN) mean
             if not math.isnan(value):

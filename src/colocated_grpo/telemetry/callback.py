@@ -9,12 +9,16 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from colocated_grpo.run_files import JsonlWriter, read_jsonl, write_json
-from colocated_grpo.server import SERVER_GPUS_ENV
-from colocated_grpo.telemetry import aggregate, hooks, nvml
-from colocated_grpo.telemetry.phases import PhaseTracker
+from colocated_grpo import run_files
+from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.run_files import STEP_KEY, JsonlWriter, read_jsonl, write_json
+from colocated_grpo.telemetry import aggregate, nvml
+from colocated_grpo.telemetry.phases import PhaseTracker, TokenCounter
 
 log = logging.getLogger(__name__)
+
+# Comma-separated NVML UUIDs of a vLLM server's GPUs (server placement), set by its launcher: rank 0 samples them.
+SERVER_GPUS_ENV = "COLOCATED_GRPO_SERVER_GPUS"
 
 # Dense bf16 peak of one GPU, for perf/mfu; other GPUs: set telemetry.peak_tflops.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
@@ -36,15 +40,15 @@ class MetricsFileCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         if "train_runtime" in logs:
-            write_json(self.run_dir / "trainer_summary.json", {"train/global_step": state.global_step, **logs})
+            write_json(self.run_dir / run_files.TRAINER_SUMMARY, {STEP_KEY: state.global_step, **logs})
             return
         if self.writer is None:
-            path = self.run_dir / "metrics.jsonl"
+            path = self.run_dir / run_files.METRICS
             # a resumed run keeps the steps before its checkpoint (the file was cut back to them) in its summary
             for earlier in read_jsonl(path):
                 self.steady.add(earlier)
             self.writer = JsonlWriter(path)
-        record = {"train/global_step": state.global_step, **logs}
+        record = {STEP_KEY: state.global_step, **logs}
         for extra in self.extras:
             record.update(extra())
         self.writer.write(record)
@@ -53,7 +57,7 @@ class MetricsFileCallback(TrainerCallback):
 
     def write_summary(self) -> dict:
         summary = self.steady.summary()
-        write_json(self.run_dir / "summary.json", summary)
+        write_json(self.run_dir / run_files.SUMMARY, summary)
         try:
             import wandb
 
@@ -81,8 +85,8 @@ class TelemetryCallback(TrainerCallback):
         self.peak_tflops = peak_tflops
         self.cuda = torch.cuda.is_available()
         self.tracker = PhaseTracker(barrier=torch.cuda.synchronize if (self.cuda and sync_cuda) else None)
-        self.tokens = hooks.TokenCounter()
-        hooks.install(trainer, self.tracker, self.tokens)
+        self.tokens = TokenCounter()
+        trl_internals.install_phase_hooks(trainer, self.tracker, self.tokens)
         self.sampler: nvml.GpuSampler | None = None
         self.samples_writer: JsonlWriter | None = None
         self.phases_writer: JsonlWriter | None = None
@@ -109,12 +113,12 @@ class TelemetryCallback(TrainerCallback):
             log.warning("NVML is not available (no NVIDIA GPU): logging phase timings and throughput without GPU metrics")
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
         self.constants = {"model/params": float(self.n_params)}
-        kv_tokens = hooks.kv_cache_tokens(self.trainer)
+        kv_tokens = trl_internals.kv_cache_tokens(self.trainer)
         if kv_tokens is not None:
             self.constants["vllm/kv_cache_tokens"] = float(kv_tokens)
         if state.is_world_process_zero:
-            self.samples_writer = JsonlWriter(self.run_dir / "gpu_samples.jsonl")
-            self.phases_writer = JsonlWriter(self.run_dir / "phases.jsonl")
+            self.samples_writer = JsonlWriter(self.run_dir / run_files.GPU_SAMPLES)
+            self.phases_writer = JsonlWriter(self.run_dir / run_files.PHASES)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.sampler is not None:
@@ -149,12 +153,12 @@ class TelemetryCallback(TrainerCallback):
         for r in reports:
             for seg in r.phases.segments:  # the step's timeline: what each rank did when (same clock as samples)
                 self.phases_writer.write(
-                    {"train/global_step": state.global_step, "rank": r.rank, "phase": seg.phase, "start": seg.start,
+                    {STEP_KEY: state.global_step, "rank": r.rank, "phase": seg.phase, "start": seg.start,
                      "end": seg.end}
                 )  # fmt: skip
             for sample, phase in r.labelled:
                 self.samples_writer.write(
-                    {"train/global_step": state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
+                    {STEP_KEY: state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
                 )
         metrics.update(self.constants)
         metrics["telemetry/barrier_s"] = barrier_s
@@ -186,4 +190,4 @@ def _log_to_wandb(metrics: dict, step: int) -> None:
     except ImportError:
         return
     if wandb.run is not None:
-        wandb.run.log({**metrics, "train/global_step": step})
+        wandb.run.log({**metrics, STEP_KEY: step})

@@ -94,3 +94,15 @@ class PhaseTracker:
             yield
         finally:
             self.exit(name)
+
+
+class TokenCounter:
+    """Prompt and completion tokens generated since the last reset (one step's)."""
+
+    def __init__(self):
+        self.prompt = self.completion = 0
+
+    def reset(self) -> tuple[int, int]:
+        counts = (self.prompt, self.completion)
+        self.prompt = self.completion = 0
+        return counts

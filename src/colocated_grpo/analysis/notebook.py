@@ -1,0 +1,77 @@
+"""Execute a notebook of notebooks/ headless, with its parameters set (no Jupyter server needed).
+
+    python -m colocated_grpo.analysis.notebook notebooks/sweep.py sweep_dir=sweeps/2026-11-30_12-00-00_tp_x_gpu_mem \
+        figures_dir=sweeps/2026-11-30_12-00-00_tp_x_gpu_mem/figures -o sweep.executed.ipynb
+
+A notebook's defaults are in its cell tagged `parameters`; the values given here go in a cell placed right after
+it (tagged `injected-parameters`, as papermill does). A value is a Python literal where it parses as one (a
+number, None, True) and a string otherwise. The notebook may be the jupytext script (.py) or the .ipynb; it runs
+in the current directory, and a failing cell fails the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from pathlib import Path
+
+
+def with_parameters(nb, parameters: dict):
+    """The notebook with a cell setting `parameters` after its `parameters` cell (or first, when it has none)."""
+    import nbformat
+
+    if not parameters:
+        return nb
+    source = "# Parameters\n" + "".join(f"{name} = {value!r}\n" for name, value in parameters.items())
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+    nb.cells.insert(tagged[0] + 1 if tagged else 0, cell)
+    return nb
+
+
+def execute(notebook: str | Path, parameters: dict | None = None, output: str | Path | None = None,
+            cwd: str | Path | None = None, timeout: int = 600):  # fmt: skip
+    """Run every cell of `notebook` (.py or .ipynb) in a fresh Python kernel; returns the executed notebook, also
+    written to `output` when given. A cell that raises raises here (nbclient.exceptions.CellExecutionError)."""
+    import jupytext
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = with_parameters(jupytext.read(notebook), parameters or {})
+    client = NotebookClient(nb, kernel_name="python3", timeout=timeout,
+                            resources={"metadata": {"path": str(cwd or os.getcwd())}})  # fmt: skip
+    try:
+        client.execute()
+    finally:
+        if output is not None:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, str(output))
+    return nb
+
+
+def parse_parameter(text: str) -> tuple[str, object]:
+    """"name=value" → (name, the value as a Python literal, or the string when it is none)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: parameters are NAME=VALUE")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m colocated_grpo.analysis.notebook", description=__doc__.split("\n")[0])
+    parser.add_argument("notebook", help="notebooks/sweep.py, notebooks/run.py (or their .ipynb)")
+    parser.add_argument("parameters", nargs="*", type=parse_parameter, help="NAME=VALUE, e.g. sweep_dir=sweeps/…")
+    parser.add_argument("-o", "--output", help="the executed notebook (default: NAME.executed.ipynb here)")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds a cell may take")
+    args = parser.parse_args(argv)
+    output = args.output or f"{Path(args.notebook).stem}.executed.ipynb"
+    execute(args.notebook, dict(args.parameters), output, timeout=args.timeout)
+    print(output)
+
+
+if __name__ == "__main__":
+    main()

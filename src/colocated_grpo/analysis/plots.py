@@ -1,0 +1,459 @@
+"""The figures researchers look at, drawn from the frames of colocated_grpo.analysis (tables, frames).
+
+Sweep (one row per job, tables.load_sweep):
+    throughput_heatmap    tokens/s per GPU over vLLM TP × gpu_memory_utilization, one panel per colocated placement
+    step_breakdown        each job's steady-state step time, stacked by phase
+    peak_memory           peak GPU memory against gpu_memory_utilization, one line per placement and TP
+    colocate_vs_server    the best job of each placement, per GPU used and per training GPU, and the speed-up
+Run (frames.load_run, load_gpu_samples, load_phases):
+    gpu_timeline          utilisation (and memory) of every GPU over time, the phases of its rank shaded
+    training_curves       reward (and each reward function) and completion length against train/global_step
+    step_phases           each step's time, stacked by phase
+
+Every function returns a matplotlib Figure (no pyplot state: safe in scripts and notebooks alike; in a notebook,
+after `%matplotlib inline`, a cell ending in a figure shows it) and draws a note instead of failing where the data
+is missing: no GPU samples on a machine without NVML, no server job in a sweep, a sparse grid. The notebooks in
+notebooks/ and `python -m colocated_grpo.analysis render DIR` call the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from colocated_grpo import run_files
+from colocated_grpo.analysis import frames, tables
+from colocated_grpo.run_files import STEP_KEY
+from colocated_grpo.telemetry.phases import PHASES
+
+PHASE_COLORS = {"generate": "#4C72B0", "sync_weights": "#8172B3", "sleep_wake": "#C44E52", "reward": "#55A868",
+                "train": "#DD8452", "other": "#B0B0B0"}  # fmt: skip
+COLOCATED = ("colocate", "colocate_sleep")
+TP, MEMORY = "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"
+FAIRNESS_NOTE = (
+    "Per GPU used counts the vLLM server's GPUs too: the same hardware on both sides, the fair comparison.\n"
+    "Per training GPU leaves the server's GPUs out (the usual N/(N-K) scaling), which flatters server mode."
+)
+NO_NVML = "no GPU samples (no NVML)"
+
+
+# ------------------------------------------------------------------------------------------------------- sweep
+
+
+def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu",
+                       higher_is_better: bool | None = None) -> Figure:  # fmt: skip
+    """`metric` of the finished colocated jobs over vLLM TP (rows) × gpu_memory_utilization (columns); the mean
+    where several jobs share a cell, the best cell framed (the highest, or the lowest for times and memory unless
+    `higher_is_better` says). Cells without a number say why (skipped, failed, no data); cells with no job stay
+    blank."""
+    if higher_is_better is None:
+        higher_is_better = not metric.startswith(("timing_s/", "memory/"))
+    grid = jobs[jobs["placement"].isin(COLOCATED) & jobs[TP].notna() & jobs[MEMORY].notna()]
+    placements = [p for p in COLOCATED if p in set(grid["placement"])]
+    fig = Figure(figsize=(1.5 + 4.5 * max(1, len(placements)), 4.0), layout="constrained")
+    if not placements:
+        _note(fig.subplots(), "no colocated vLLM jobs with a TP size and gpu_memory_utilization in this sweep")
+        return fig
+    for ax, placement in zip(fig.subplots(1, len(placements), squeeze=False)[0], placements, strict=True):
+        sub = grid[grid["placement"] == placement]
+        tps, memories = sorted(sub[TP].astype(int).unique()), sorted(sub[MEMORY].astype(float).unique())
+        values = [[math.nan] * len(memories) for _ in tps]
+        labels = [[""] * len(memories) for _ in tps]
+        for (tp, memory), cell in sub.groupby([sub[TP].astype(int), sub[MEMORY].astype(float)]):
+            i, j = tps.index(tp), memories.index(memory)
+            numbers = cell.loc[cell["status"] == "finished", metric].dropna()
+            if len(numbers):
+                values[i][j] = float(numbers.mean())
+                labels[i][j] = _fmt(values[i][j]) + (f"\n(mean of {len(numbers)})" if len(numbers) > 1 else "")
+            else:
+                statuses = sorted(set(cell["status"].dropna()))
+                labels[i][j] = "\n".join("no data" if s == "finished" else s for s in statuses) or "?"
+        image = ax.imshow(values, cmap=colormaps["viridis"].with_extremes(bad="#EEEEEE"), origin="lower", aspect="auto")
+        finite = [(v, i, j) for i, row in enumerate(values) for j, v in enumerate(row) if not math.isnan(v)]
+        for i, row in enumerate(labels):
+            for j, label in enumerate(row):
+                ax.text(j, i, label, ha="center", va="center", fontsize=9, color=_text_color(image, values[i][j]))
+        if finite:
+            _, i, j = max(finite) if higher_is_better else min(finite)
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
+            fig.colorbar(image, ax=ax, label=metric)
+        ax.set_xticks(range(len(memories)), [f"{m:g}" for m in memories])
+        ax.set_yticks(range(len(tps)), [str(t) for t in tps])
+        ax.set_xlabel("vllm_gpu_memory_utilization")
+        ax.set_ylabel("vllm_tensor_parallel_size")
+        ax.set_title(f"{placement}: {metric}", fontsize=10)
+    return fig
+
+
+def step_breakdown(jobs) -> Figure:
+    """Each job's steady-state step time as a bar stacked by phase (timing_s/<phase>); a job whose run logged no
+    phase timings gets one grey bar of its step time; a job that did not finish says so in its label."""
+    done = jobs[jobs["timing_s/step"].notna()].reset_index(drop=True)
+    fig = Figure(figsize=(9.0, 1.6 + 0.45 * max(1, len(done))), layout="constrained")
+    ax = fig.subplots()
+    if done.empty:
+        _note(ax, "no job with step timings in this sweep")
+        return fig
+    _stack_phases(ax, list(range(len(done))), done, horizontal=True)
+    labels = [_job_label(row) + ("" if row["status"] == "finished" else f" ({row['status']})")
+              for _, row in done.iterrows()]  # fmt: skip
+    ax.set_yticks(range(len(done)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step (steady state)")
+    ax.set_title("step time by phase")
+    return fig
+
+
+def peak_memory(jobs) -> Figure:
+    """Peak GPU memory (memory/peak_gb) against vLLM's gpu_memory_utilization, one line per placement and TP."""
+    done = jobs[(jobs["status"] == "finished") & jobs[MEMORY].notna()]
+    measured = done[done["memory/peak_gb"].notna()]
+    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
+    ax = fig.subplots()
+    if measured.empty:
+        why = f"{NO_NVML}: no memory to plot" if len(done) else "no finished job with a gpu_memory_utilization"
+        _note(ax, why)
+        return fig
+    for (placement, tp), line in measured.groupby(["placement", TP], sort=True):
+        line = line.groupby(MEMORY)["memory/peak_gb"].mean().sort_index()
+        ax.plot(line.index, line.values, marker="o", label=f"{placement}, TP {int(tp)}")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("vllm_gpu_memory_utilization")
+    ax.set_ylabel("peak GPU memory (GB, any GPU)")
+    ax.set_title("peak memory vs gpu_memory_utilization")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def colocate_vs_server(jobs) -> Figure:
+    """The best finished job of each placement (by tokens/s per GPU used) in tokens/s per GPU used and per training
+    GPU, with the colocated-over-server speed-up in both and the note on which one is fair."""
+    done = jobs[(jobs["status"] == "finished") & jobs["perf/tokens_per_s_per_gpu"].notna()]
+    fig = Figure(figsize=(8.0, 5.0), layout="constrained")
+    ax, text = fig.subplots(2, 1, height_ratios=[6, 1])
+    text.axis("off")
+    if done.empty:
+        _note(ax, "no finished job with throughput in this sweep")
+        return fig
+    best = done.loc[done.groupby("placement")["perf/tokens_per_s_per_gpu"].idxmax()]
+    best = best.sort_values("placement", key=lambda p: p.map(_placement_order)).reset_index(drop=True)
+    per_gpu = best["perf/tokens_per_s_per_gpu"]
+    per_train = best["perf/tokens_per_s_per_train_gpu"].fillna(best["perf/tokens_per_s"] / best["world_size"])
+    x = range(len(best))
+    ax.bar([i - 0.2 for i in x], per_gpu, width=0.4, label="per GPU used", color="#4C72B0")
+    ax.bar([i + 0.2 for i in x], per_train, width=0.4, label="per training GPU", color="#DD8452")
+    ax.set_xticks(list(x), [f"{r['placement']}\n{_gpus(r)}\n{_job_label(r)}" for _, r in best.iterrows()], fontsize=8)
+    ax.set_xlim(-0.8, len(best) - 0.2)
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=8)
+    server = best[best["placement"] == "server"]
+    colocated = best[best["placement"].isin(COLOCATED)]
+    if server.empty or colocated.empty:
+        missing = "server" if server.empty else "colocated"
+        ax.set_title("best job per placement")
+        text.text(0, 1, f"no {missing} jobs in this sweep: no colocate-vs-server speed-up to show.\n" + FAIRNESS_NOTE,
+                  va="top", fontsize=8)  # fmt: skip
+        return fig
+    c = colocated.loc[colocated["perf/tokens_per_s_per_gpu"].idxmax()]
+    s = server.iloc[0]
+    c_train = per_train[c.name]
+    s_train = per_train[s.name]
+    ax.set_title(f"{c['placement']} vs server: {c['perf/tokens_per_s_per_gpu'] / s['perf/tokens_per_s_per_gpu']:.2f}× "
+                 f"per GPU used, {c_train / s_train:.2f}× per training GPU")  # fmt: skip
+    text.text(0, 1, FAIRNESS_NOTE, va="top", fontsize=8)
+    return fig
+
+
+def sweep_figures(jobs) -> dict[str, Figure]:
+    """Every sweep figure, by name (the PNG's file name)."""
+    return {
+        "throughput_heatmap": throughput_heatmap(jobs),
+        "step_breakdown": step_breakdown(jobs),
+        "peak_memory": peak_memory(jobs),
+        "colocate_vs_server": colocate_vs_server(jobs),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------- run
+
+
+def study_figure(table) -> Figure:
+    """A study's results (study.COLUMNS): per model, each case's step time stacked by phase and its tokens/s per
+    GPU used with the speed-up over the study's baseline."""
+    models = list(dict.fromkeys(table["model"]))
+    fig = Figure(figsize=(13.0, 1.2 + 0.42 * len(table)), layout="constrained")
+    axes = fig.subplots(max(1, len(models)), 2, squeeze=False,
+                        height_ratios=[max(1, (table["model"] == m).sum()) for m in models] or [1])  # fmt: skip
+    for (left, right), model in zip(axes, models, strict=False):
+        cases = table[table["model"] == model].reset_index(drop=True)
+        done = cases[cases["step_s"].notna()].reset_index(drop=True)
+        if done.empty:
+            _note(left, f"{model}: no case finished")
+            right.set_axis_off()
+            continue
+        frame = done.rename(columns={f"{p}_s": f"timing_s/{p}" for p in (*PHASES, "step")})
+        positions = list(range(len(done)))
+        _stack_phases(left, positions, frame, horizontal=True)
+        left.set_yticks(positions, done["case"])
+        left.invert_yaxis()
+        left.set_xlabel("seconds per step (steady state)")
+        left.set_title(f"{model}: step time by phase", fontsize=10)
+        right.barh(positions, done["tokens_per_s_per_gpu"], 0.6, color="#4C72B0")
+        for position, (rate, speedup) in enumerate(zip(done["tokens_per_s_per_gpu"], done["speedup_vs_baseline"],
+                                                        strict=True)):  # fmt: skip
+            label = f"{rate:,.0f}" + ("" if tables.missing(speedup) else f"  ({speedup:.2f}×)")
+            right.annotate(label, (rate, position), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        right.set_yticks(positions, [""] * len(positions))
+        right.invert_yaxis()
+        right.margins(x=0.25)
+        right.set_xlabel("tokens/s per GPU used (speed-up over the baseline)")
+        right.set_title(f"{model}: throughput", fontsize=10)
+    return fig
+
+
+def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figure:
+    """One panel per GPU: NVML utilisation (and memory, dashed) over time, shaded by the phase that the rank which
+    sampled it was in; thin lines where steps begin. Without GPU samples (no NVML) the phases of each rank are
+    drawn alone, with the note. `steps=(first, last)`: only those train/global_steps (a long run's timeline is
+    too dense to read whole)."""
+    if steps is not None:
+        samples = samples[samples[STEP_KEY].between(*steps)]
+        phases = phases[phases[STEP_KEY].between(*steps)]
+    origin = min([frame[column].min() for frame, column in ((samples, "t"), (phases, "start")) if len(frame)],
+                 default=0.0)  # fmt: skip
+    rows = _gpu_order(samples["gpu"].unique()) if len(samples) else sorted(phases["rank"].unique())
+    fig = Figure(figsize=(11.0, 1.0 + 1.8 * max(1, len(rows))), layout="constrained")
+    if not rows:
+        _note(fig.subplots(), f"{NO_NVML} and no phase timings in this run")
+        return fig
+    axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, row in zip(axes, rows, strict=True):
+        if len(samples):
+            gpu = samples[samples["gpu"] == row]
+            rank = gpu["rank"].mode().iloc[0]
+            _shade_phases(ax, phases[phases["rank"] == rank], origin, 100)
+            ax.plot(gpu["t"] - origin, gpu["util"], drawstyle="steps-post", color="black", linewidth=1)
+            ax.set_ylim(0, 105)
+            ax.set_ylabel(f"GPU {row}\nutil %")
+            memory = ax.twinx()
+            memory.plot(gpu["t"] - origin, gpu["mem_gb"], color="#C44E52", linestyle="--", linewidth=1)
+            memory.set_ylim(0, max(1.0, gpu["mem_gb"].max() * 1.1))
+            memory.set_ylabel("GB", color="#C44E52")
+        else:
+            _shade_phases(ax, phases[phases["rank"] == row], origin, 1)
+            ax.set_yticks([])
+            ax.set_ylabel(f"rank {row}")
+        if len(phases):
+            starts = phases.groupby(STEP_KEY)["start"].min() - origin
+            every = max(1, len(starts) // 30)  # at most ~30 step numbers on a long run
+            for i, (step, start) in enumerate(starts.items()):
+                ax.axvline(start, color="#444444", linewidth=0.6, alpha=0.6)
+                if ax is axes[0] and i % every == 0:
+                    ax.annotate(str(step), (start, 1), xycoords=("data", "axes fraction"), fontsize=7,
+                                xytext=(2, 2), textcoords="offset points", va="bottom")  # fmt: skip
+    handles = [Patch(color=PHASE_COLORS[p], alpha=0.5, label=p) for p in PHASES if p in set(phases.get("phase", []))]
+    if len(samples):
+        handles += [axes[0].plot([], [], color="black", label="util %")[0],
+                    axes[0].plot([], [], color="#C44E52", linestyle="--", label="memory GB")[0]]  # fmt: skip
+        title = "GPU utilisation per GPU, phases shaded (step numbers on top)"
+    else:
+        title = f"{NO_NVML}: the phases of each rank (step numbers on top)"
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    axes[-1].set_xlabel("seconds since the first step began")
+    return fig
+
+
+def training_curves(metrics) -> Figure:
+    """Reward (± its std across completions) and each reward function's mean, and completion length (min–max
+    band), against train/global_step."""
+    fig = Figure(figsize=(8.0, 6.0), layout="constrained")
+    reward_ax, length_ax = fig.subplots(2, 1, sharex=True)
+    step = metrics[STEP_KEY]
+    if "reward" in metrics:
+        reward_ax.plot(step, metrics["reward"], marker="o", color="black", label="reward")
+        if "reward_std" in metrics:
+            low, high = metrics["reward"] - metrics["reward_std"], metrics["reward"] + metrics["reward_std"]
+            reward_ax.fill_between(step, low, high, color="black", alpha=0.1, label="reward ± std")
+        for column in sorted(c for c in metrics.columns if c.startswith("rewards/") and c.endswith("/mean")):
+            name = column.removeprefix("rewards/").removesuffix("/mean")
+            reward_ax.plot(step, metrics[column], marker=".", label=name)
+        reward_ax.legend(fontsize=8)
+    else:
+        _note(reward_ax, "no reward logged")
+    reward_ax.set_ylabel("reward")
+    reward_ax.grid(alpha=0.3)
+    if "completions/mean_length" in metrics:
+        length_ax.plot(step, metrics["completions/mean_length"], marker="o", label="mean")
+        if {"completions/min_length", "completions/max_length"} <= set(metrics.columns):
+            length_ax.fill_between(step, metrics["completions/min_length"], metrics["completions/max_length"],
+                                   alpha=0.2, label="min–max")  # fmt: skip
+        length_ax.legend(fontsize=8)
+    else:
+        _note(length_ax, "no completion lengths logged")
+    length_ax.set_ylabel("completion length (tokens)")
+    length_ax.set_xlabel(STEP_KEY)
+    length_ax.grid(alpha=0.3)
+    return fig
+
+
+def step_phases(metrics) -> Figure:
+    """Each step's time as a bar stacked by phase (timing_s/<phase>)."""
+    fig = Figure(figsize=(8.0, 4.0), layout="constrained")
+    ax = fig.subplots()
+    if "timing_s/step" not in metrics or metrics["timing_s/step"].isna().all():
+        _note(ax, "no step timings logged (telemetry off?)")
+        return fig
+    timed = metrics[metrics["timing_s/step"].notna()]
+    _stack_phases(ax, timed[STEP_KEY].tolist(), timed, horizontal=False)
+    ax.set_xlabel(STEP_KEY)
+    ax.set_ylabel("seconds")
+    ax.set_title("step time by phase")
+    return fig
+
+
+def run_figures(metrics, samples, phases) -> dict[str, Figure]:
+    """Every run figure, by name (the PNG's file name)."""
+    return {
+        "gpu_timeline": gpu_timeline(samples, phases),
+        "training_curves": training_curves(metrics),
+        "step_phases": step_phases(metrics),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ to PNG files
+
+
+def save(figures: dict[str, Figure], out_dir: str | Path, dpi: int = 120) -> list[Path]:
+    """Write each figure as OUT_DIR/<name>.png; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fig in figures.items():
+        paths.append(out_dir / f"{name}.png")
+        fig.savefig(paths[-1], dpi=dpi)
+    return paths
+
+
+class Figures(dict):
+    """Figures by name that are also written as OUT_DIR/<name>.png as they are added, when `out_dir` is set: a
+    notebook's cells `figures.add(name, fig)`, which returns the figure for the notebook to show."""
+
+    def __init__(self, out_dir: str | Path | None = None):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def add(self, name: str, fig: Figure) -> Figure:
+        self[name] = fig
+        if self.out_dir:
+            save({name: fig}, self.out_dir)
+        return fig
+
+
+def render(path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """The figures of a sweep directory (sweep_figures) or of a run directory (run_figures) as PNGs, in
+    `out_dir` (default: PATH/figures)."""
+    path = Path(path)
+    if (path / run_files.METRICS).exists() or (path / run_files.RUN).exists():
+        figures = run_figures(frames.load_run(path), frames.load_gpu_samples(path), frames.load_phases(path))
+    elif any(path.glob(f"*/{run_files.JOB}")) or any(path.glob("*/run.json")):
+        figures = sweep_figures(tables.load_sweep(path))
+    else:
+        raise SystemExit(f"{path}: neither a run directory (run.json) nor a sweep directory (job directories)")
+    return save(figures, out_dir or path / "figures")
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def _stack_phases(ax, positions: list, frame, horizontal: bool) -> None:
+    """Bars at `positions`, stacked by phase from the frame's timing_s/<phase> columns, the total written at the
+    end; a row without phase timings gets one grey bar of its timing_s/step."""
+    bar = ax.barh if horizontal else ax.bar
+    base = [0.0] * len(frame)
+    for phase in PHASES:
+        column = f"timing_s/{phase}"
+        if column not in frame:
+            continue
+        part = frame[column].fillna(0.0).tolist()
+        if any(part):
+            bar(positions, part, 0.6, base, color=PHASE_COLORS[phase], label=phase)
+            base = [b + p for b, p in zip(base, part, strict=True)]
+    total = frame["timing_s/step"].tolist()
+    unsplit = [t if b == 0 else 0.0 for t, b in zip(total, base, strict=True)]
+    if any(unsplit):
+        bar(positions, unsplit, 0.6, color="#DDDDDD", hatch="//", label="step (no phase timings)")
+    for position, value in zip(positions, total, strict=True):
+        xy = (value, position) if horizontal else (position, value)
+        ax.annotate(f"{value:.3g} s", xy, xytext=(3, 0) if horizontal else (0, 3), textcoords="offset points",
+                    va="center" if horizontal else "bottom", ha="left" if horizontal else "center", fontsize=8)  # fmt: skip
+    ax.margins(x=0.12) if horizontal else ax.margins(y=0.12)
+    ax.legend(fontsize=8, loc="best")
+
+
+def _shade_phases(ax, phases, origin: float, height: float) -> None:
+    for phase in PHASES:
+        spans = phases[phases["phase"] == phase]
+        if len(spans):
+            ax.broken_barh(list(zip(spans["start"] - origin, spans["end"] - spans["start"], strict=True)),
+                           (0, height), facecolors=PHASE_COLORS[phase], alpha=0.35, linewidth=0)  # fmt: skip
+
+
+def _note(ax, text: str) -> None:
+    """A message in place of a plot."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#555555",
+            wrap=True)  # fmt: skip
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _text_color(image, value: float) -> str:
+    """Black on a light cell, white on a dark one, grey on an empty one."""
+    if math.isnan(value):
+        return "#555555"
+    r, g, b, _ = image.cmap(image.norm(value))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+_SHORT = {"vllm_tensor_parallel_size": "TP", "vllm_gpu_memory_utilization": "mem", "per_device_train_batch_size": "bs",
+          "nproc_per_node": "nproc"}  # fmt: skip
+
+
+def _job_label(row) -> str:
+    """'#3 TP=2 mem=0.3' from a job's number and swept overrides (keys shortened)."""
+    parts = []
+    for override in str(row.get("overrides") or "").split():
+        key, _, value = override.partition("=")
+        name = key.lstrip("+~").rsplit(".", 1)[-1]
+        parts.append(f"{_SHORT.get(name, name)}={value}")
+    number = row.get("job")
+    head = f"#{int(number)}" if not tables.missing(number) else ""
+    return " ".join([head, *parts]).strip() or str(row.get("dir") or "job")
+
+
+def _gpus(row) -> str:
+    train, used = row.get("world_size"), row.get("gpus")
+    if tables.missing(train) or tables.missing(used):
+        return ""
+    return f"{int(train)} train + {int(used) - int(train)} serve GPUs"
+
+
+def _gpu_order(labels) -> list[str]:
+    """GPU labels with the ranks' ("0", "1", …) first in numeric order, then the server's ("server0", …)."""
+    return sorted(labels, key=lambda g: (not str(g).isdigit(), int(g) if str(g).isdigit() else 0, str(g)))
+
+
+def _placement_order(placement) -> int:
+    order = ("colocate", "colocate_sleep", "server", "none")
+    return order.index(placement) if placement in order else len(order)
+

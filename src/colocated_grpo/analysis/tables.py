@@ -1,0 +1,256 @@
+"""Load runs and sweeps into pandas, for tables, notebooks, figures and tests.
+
+A run directory is the source of truth (see run_files). Its steady-state numbers come from `summary.json` when the
+run wrote one (phase timings, throughput, GPU utilisation per phase, peak memory) and otherwise from what
+`metrics.jsonl` holds: TRL's `step_time` after the first step, the growth of `num_tokens`, the last `reward`.
+Per step: `load_run` (metrics.jsonl), `load_gpu_samples` (gpu_samples.jsonl) and `load_phases` (phases.jsonl: what
+each rank did when).
+
+A sweep directory holds one job directory per job, each with `job.json` (written by the sweep launcher: overrides,
+status, exit code, the last lines of its log) and, once it ran, the run files. `load_sweep` makes one row per job,
+with its placement (vLLM TP, gpu_memory_utilization, GPUs used) beside its numbers.
+
+With network and a W&B account, `load_wandb_run` and `load_wandb_sweep` read the same frames from the W&B API.
+
+    python -m colocated_grpo.analysis SWEEP_DIR                # print the summary table, rewrite SWEEP_DIR/summary.csv
+    python -m colocated_grpo.analysis render DIR [--out OUT]   # a sweep's or a run's figures as PNGs (DIR/figures)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from colocated_grpo import run_files
+from colocated_grpo.run_files import STEP_KEY, flatten, read_json, read_jsonl
+
+# Steady-state means that a run's summary.json holds (telemetry), in the metric names of the W&B run.
+SUMMARY_KEYS = (
+    "timing_s/step", "timing_s/generate", "timing_s/sync_weights", "timing_s/sleep_wake", "timing_s/reward",
+    "timing_s/train", "timing_s/other", "perf/tokens_per_s", "perf/tokens_per_s_per_gpu",
+    "perf/tokens_per_s_per_train_gpu", "perf/gen_tokens_per_s",
+    "gpu/util_generate", "gpu/util_sync_weights", "gpu/util_reward", "gpu/util_train",
+    "memory/peak_gb", "vllm/kv_cache_tokens",
+)  # fmt: skip
+
+# Where a job ran: placement name, trainer processes, GPUs used (a vLLM server's included), and vLLM's TP size and
+# memory fraction (the server's own for server placement; empty without vLLM).
+PLACEMENT_KEYS = ("placement", "world_size", "gpus", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization")
+
+# Columns of a sweep summary, in order; the printed table shows the short names.
+COLUMNS = ("job", "overrides", "status", "exit_code", *PLACEMENT_KEYS, *SUMMARY_KEYS, "reward", "steps", "source",
+           "note", "dir")  # fmt: skip
+TABLE = {
+    "job": "#", "overrides": "overrides", "status": "status", "timing_s/step": "step s",
+    "perf/tokens_per_s_per_gpu": "tok/s/GPU", "gpu/util_generate": "util gen", "gpu/util_sync_weights": "util sync",
+    "gpu/util_reward": "util rew", "gpu/util_train": "util train", "memory/peak_gb": "peak GB", "reward": "reward",
+    "note": "note",
+}  # fmt: skip
+
+def run_summary(run_dir: str | Path) -> dict:
+    """Steady-state numbers of one run: summary.json's where it has them, else derived from metrics.jsonl.
+
+    Keys: SUMMARY_KEYS (None where neither file says), `reward` (the last logged), `steps` (the last global
+    step) and `source` (the file the timings came from, None when the run logged nothing).
+    """
+    run_dir = Path(run_dir)
+    summary = read_json(run_dir / run_files.SUMMARY) or {}
+    metrics = read_jsonl(run_dir / run_files.METRICS)
+    run = read_json(run_dir / run_files.RUN) or {}
+    row = summary_row(summary, metrics, int(run.get("world_size") or 1))
+    row["source"] = "summary.json" if summary else ("metrics.jsonl" if metrics else None)
+    return row
+
+
+def summary_row(summary: dict, metrics: list[dict], world_size: int = 1) -> dict:
+    """SUMMARY_KEYS, `reward` and `steps` from a steady-state summary (summary.json, a W&B run's summary) and the
+    per-step metrics (may be empty), the summary winning where both have a number."""
+    summary = flatten(summary, "/")  # {"timing_s": {"step": 1.0}} and {"timing_s/step": 1.0} alike
+    derived = _from_metrics(metrics, world_size)
+    row = {key: _number(summary.get(key)) for key in SUMMARY_KEYS}
+    for key, value in derived.items():
+        if row.get(key) is None:
+            row[key] = value
+    rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
+    steps = [m[STEP_KEY] for m in metrics if STEP_KEY in m]
+    row["reward"] = rewards[-1] if rewards else _number(summary.get("final/reward"))
+    row["steps"] = steps[-1] if steps else _number(summary.get(STEP_KEY))
+    return row
+
+
+def placement_settings(get: Callable[[str], object], world_size: int | None = None) -> dict:
+    """PLACEMENT_KEYS of a job from its config, read through `get(dotted key) -> value or None` (a config file,
+    a W&B run's config or a composed DictConfig alike)."""
+    name = get("placement.name")
+    world = int(world_size or get("parallelism.nproc_per_node") or 1)
+    server_gpus = 0
+    if name == "server":  # the server's own engine: its TP and memory fraction, on GPUs of its own
+        tp, memory = get("placement.server_tensor_parallel_size"), get("placement.gpu_memory_utilization")
+        server_gpus = int(get("placement.server_gpus") or 0)
+    elif get("trainer.use_vllm"):
+        tp, memory = get("trainer.vllm_tensor_parallel_size") or 1, get("trainer.vllm_gpu_memory_utilization")
+    else:
+        tp = memory = None
+    return {
+        "placement": name, "world_size": world, "gpus": world + server_gpus,
+        "vllm_tensor_parallel_size": None if tp is None else int(tp),
+        "vllm_gpu_memory_utilization": _number(memory),
+    }  # fmt: skip
+
+
+def run_placement(run_dir: str | Path) -> dict:
+    """PLACEMENT_KEYS of a run directory (config.yaml and run.json); empty values where it has neither."""
+    run_dir = Path(run_dir)
+    run = read_json(run_dir / run_files.RUN) or {}
+    cfg = _read_yaml(run_dir / run_files.CONFIG)
+    if cfg is None:
+        return {**dict.fromkeys(PLACEMENT_KEYS), "placement": run.get("placement"), "world_size": run.get("world_size")}
+    return placement_settings(lambda key: _select(cfg, key), run.get("world_size"))
+
+
+def _from_metrics(metrics: list[dict], world_size: int) -> dict:
+    """Step time and token throughput from TRL's per-step `step_time` and cumulative `num_tokens`.
+
+    The first logged step (engine warm-up, compilation) is left out when there is more than one. A line logged every
+    k steps carries the mean step time of those k steps and the tokens of all of them.
+    """
+    rows, last_step, last_tokens = [], 0, 0.0
+    for m in metrics:
+        step, seconds, tokens = m.get(STEP_KEY), m.get("step_time"), m.get("num_tokens")
+        if step is None or seconds is None:
+            continue
+        rows.append((step - last_step, seconds * (step - last_step), None if tokens is None else tokens - last_tokens))
+        last_step, last_tokens = step, tokens if tokens is not None else last_tokens
+    steady = rows[1:] if len(rows) > 1 else rows
+    steps, seconds = sum(r[0] for r in steady), sum(r[1] for r in steady)
+    if not steps or seconds <= 0:
+        return {}
+    out = {"timing_s/step": seconds / steps}
+    if all(r[2] is not None for r in steady):
+        out["perf/tokens_per_s"] = sum(r[2] for r in steady) / seconds
+        out["perf/tokens_per_s_per_gpu"] = out["perf/tokens_per_s"] / world_size
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ sweeps
+
+
+def load_jobs(sweep_dir: str | Path) -> list[dict]:
+    """One row per job of a sweep (COLUMNS), ordered by job number.
+
+    Jobs are the directories with a job.json; a directory with only run files (a sweep run by another launcher)
+    counts too, its status taken from run.json.
+    """
+    sweep_dir = Path(sweep_dir)
+    job_dirs = sorted({p.parent for p in sweep_dir.rglob(run_files.JOB)}) or sorted(
+        {p.parent for p in sweep_dir.rglob("run.json")}
+    )
+    rows = []
+    for job_dir in job_dirs:
+        job = read_json(job_dir / run_files.JOB)
+        if job is None:
+            run = read_json(job_dir / run_files.RUN)
+            if run is None:
+                continue
+            job = {"num": None, "overrides": [], "status": run.get("status")}
+        placement = run_placement(job_dir)
+        if placement["placement"] is None and job.get("placement"):  # not run: as the launcher planned it
+            placement = job["placement"]
+        row = {
+            "job": job.get("num"),
+            "overrides": " ".join(job.get("swept") or job.get("overrides") or []),
+            "status": job.get("status"),
+            "exit_code": job.get("exit_code"),
+            **placement,
+            **run_summary(job_dir),
+            "note": job.get("reason") or job.get("error"),
+            "dir": str(job_dir.relative_to(sweep_dir)),
+        }
+        rows.append({key: row.get(key) for key in COLUMNS})
+    rows.sort(key=lambda r: (r["job"] is None, r["job"] if r["job"] is not None else 0, r["dir"]))
+    return rows
+
+
+def load_sweep(sweep_dir: str | Path, rows: list[dict] | None = None):
+    """The sweep summary as a pandas DataFrame (one row per job, COLUMNS); `rows`: load_jobs' result, if at hand."""
+    import pandas as pd
+
+    return _numeric(pd.DataFrame(load_jobs(sweep_dir) if rows is None else rows, columns=list(COLUMNS)))
+
+
+def _numeric(frame):
+    """Number columns as numbers (NaN where a job has none), not objects holding None."""
+    import pandas as pd
+
+    for key in ("vllm_gpu_memory_utilization", *SUMMARY_KEYS, "reward"):
+        frame[key] = pd.to_numeric(frame[key])
+    for key in ("job", "exit_code", "world_size", "gpus", "vllm_tensor_parallel_size", "steps"):
+        frame[key] = pd.to_numeric(frame[key]).astype("Int64")  # counts stay integers next to empty cells
+    return frame
+
+
+def write_summary(sweep_dir: str | Path, rows: list[dict] | None = None) -> Path:
+    """Write SWEEP_DIR/summary.csv from the job directories (or load_jobs' `rows`); returns its path."""
+    path = Path(sweep_dir) / run_files.SWEEP_SUMMARY
+    load_sweep(sweep_dir, rows).to_csv(path, index=False)
+    return path
+
+
+def print_summary(sweep_dir: str | Path, file=None, rows: list[dict] | None = None) -> None:
+    """Print the summary as a table (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = load_jobs(sweep_dir) if rows is None else rows
+    counts = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    title = f"sweep {Path(sweep_dir).name}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+    table = Table(title=title, show_lines=False)
+    for key, header in TABLE.items():
+        text = key in ("overrides", "status", "note")
+        table.add_column(header, overflow="fold", justify="left" if text else "right")
+    for r in rows:
+        table.add_row(*(_cell(r[key], 160 if key == "note" else None) for key in TABLE))
+    file = file or sys.stdout
+    Console(file=file, width=None if file.isatty() else 200).print(table)
+
+
+def missing(value) -> bool:
+    """A cell without a value: None, NaN, or pandas' NA (the empty cell of an integer column)."""
+    import pandas as pd
+
+    return value is None or (pd.api.types.is_scalar(value) and bool(pd.isna(value)))
+
+
+def _cell(value, max_chars: int | None = None) -> str:
+    if isinstance(value, str) and max_chars and len(value) > max_chars:
+        return value[: max_chars - 1] + "…"
+    if missing(value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _select(data: dict, dotted: str):
+    """data["a"]["b"] for "a.b"; None where a key is missing."""
+    for key in dotted.split("."):
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def _read_yaml(path: Path) -> dict | None:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

@@ -1,0 +1,66 @@
+"""Running a study: each case for each model as a one-job sweep through the torchrun launcher, then the standalone
+generation benchmarks, one step after another; finished steps are kept, so running again continues the study."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+from colocated_grpo.bench.study.definition import (
+    bench_command,
+    case_command,
+    case_status,
+    describe,
+    environment,
+    environments,
+    load,
+)
+from colocated_grpo.launch import processes
+from colocated_grpo.run_files import write_json
+
+
+def run(definition: str | Path, out: str | Path) -> None:
+    study, out = load(definition), Path(out).resolve()  # jobs write where this process means, whatever their cwd
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.yaml").write_text(Path(definition).read_text())
+    write_json(out / "env.json", [*environments(out), environment()])  # a continued study may change machine
+    steps = [(m, kind, name) for m in study["models"]
+             for kind, names in (("case", study["cases"]), ("bench", study["bench"])) for name in names]  # fmt: skip
+    started = time.monotonic()
+    try:
+        _run_steps(study, out, steps)
+    except KeyboardInterrupt:  # the job in flight was stopped with SIGINT and recorded as interrupted
+        print(f"study interrupted after {time.monotonic() - started:.0f} s; run the same command again to continue",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(130)
+    print(f"study done in {time.monotonic() - started:.0f} s; report: python -m colocated_grpo.bench.study report {out}")
+
+
+def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]]) -> None:
+    for i, (model, kind, name) in enumerate(steps, 1):
+        label = f"[{i}/{len(steps)}] {model} {name}"
+        if kind == "case":
+            case_dir = out / "runs" / model / name
+            if case_status(case_dir) == "finished":
+                print(f"{label}: finished earlier, kept", flush=True)
+                continue
+            _run_logged(case_command(study, model, name, case_dir), case_dir / "sweep.log", label)
+            print(f"    {describe(case_dir)}", flush=True)
+        else:
+            path = out / "bench" / model / f"{name}.json"
+            if path.exists():
+                print(f"{label}: measured earlier, kept", flush=True)
+                continue
+            _run_logged(bench_command(model, study["bench"][name], path), path.with_suffix(".log"), label)
+
+
+def _run_logged(command: list[str], log: Path, label: str) -> None:
+    """Run one step of the study; on Ctrl-C it gets SIGINT (a sweep then records its job as interrupted)."""
+    print(f"{label}: {shlex.join(command)}", flush=True)
+    t0 = time.monotonic()
+    log.unlink(missing_ok=True)
+    code = processes.run(command, log, grace_s=60, first_signal=signal.SIGINT)  # a failed case is in its job.json
+    print(f"    exit {code} after {time.monotonic() - t0:.0f} s (log: {log})", flush=True)

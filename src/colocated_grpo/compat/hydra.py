@@ -1,0 +1,35 @@
+"""What we use of Hydra beyond its public API: the running job's overrides and output directory (HydraConfig), and
+the job-directory name Hydra derives from overrides (`hydra._internal`), which the sweep launchers reuse so that
+their job directories are named exactly as Hydra's own launcher names them."""
+
+from __future__ import annotations
+
+
+def task_overrides() -> list[str] | None:
+    """The command-line overrides of this job (None outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:
+        return None
+
+
+def output_dir() -> str:
+    """The running job's output directory (hydra.run.dir, or the sweep job's directory)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.output_dir
+
+
+def override_dirname(overrides: list[str], spec) -> str:
+    """Hydra's `hydra.job.override_dirname` of `overrides`, with `spec` = hydra.job.config.override_dirname."""
+    from hydra._internal.config_loader_impl import get_overrides_dirname
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return get_overrides_dirname(
+        overrides=OverridesParser.create().parse_overrides(overrides),
+        exclude_keys=list(spec.exclude_keys),
+        item_sep=spec.item_sep,
+        kv_sep=spec.kv_sep,
+    )

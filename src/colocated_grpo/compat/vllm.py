@@ -1,0 +1,83 @@
+"""What we know of vLLM's internals: the CPU engine's patches (below), and the text of its start-up memory errors
+(`memory_failure`), which vLLM raises as plain RuntimeErrors.
+
+`prepare_cpu` makes TRL's in-place weight sync reach vLLM's CPU engine.
+
+On CPU, vLLM repacks every linear layer's weight for oneDNN after loading and drops the original parameter
+(`dispatch_cpu_unquantized_gemm(remove_weight=True)`). TRL's colocated weight sync then fails
+("'Parameter' object has no attribute 'weight_loader'"), and even where it does not fail the packed copy would
+keep serving the old weights. Keeping plain `torch.nn.functional.linear` on the live parameter makes every sync
+visible to the next generation.
+
+Second, under torchrun (`external_launcher`) every CPU engine names its tensor-parallel shared-memory segment
+after "env://", so two TP runs on one machine collide ("create shm in SHMManager failed. errno: 17"); the
+rendezvous port makes the name unique per job. CUDA builds of vLLM are untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+
+def prepare_cpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from vllm.distributed.device_communicators import cpu_communicator
+    from vllm.model_executor.layers import utils
+
+    def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    utils.dispatch_cpu_unquantized_gemm = plain_linear
+
+    shm = cpu_communicator._CPUSHMDistributed
+    shared_name = shm.make_group_name
+
+    def per_job_name(communicator) -> str:
+        os.environ["VLLM_DIST_IDENT"] = f"job{os.environ.get('MASTER_PORT', '')}"
+        return shared_name(communicator)
+
+    shm.make_group_name = staticmethod(per_job_name)
+
+
+# Start-up memory failures, as vLLM words them (groups: the numbers it saw).
+NUM = r"([\d.]+)"
+GPU_FREE = re.compile(
+    rf"Free memory on device\s*\S*\s*\({NUM}/{NUM} GiB\) on startup is less than desired GPU memory "
+    rf"utilization \({NUM}, {NUM} GiB\)"
+)
+CPU_FREE = re.compile(
+    rf"Available memory on node (\d+) \({NUM}/{NUM} GiB\) on startup is less than desired CPU memory "
+    rf"utilization \({NUM}, {NUM} GiB\)"
+)
+CPU_KV = re.compile(
+    rf"Available memory on node (\d+) \({NUM}/{NUM} GiB\) on kv cache allocation is less than requested "
+    rf"memory for kv \({NUM} GiB\)"
+)
+NO_CACHE = re.compile(r"No available memory for the cache blocks|Cannot auto-fit max_model_len")
+KV_TOO_SMALL = re.compile(
+    rf"max seq len \((\d+)\), \({NUM} GiB KV cache is needed, which is larger than the available KV cache "
+    rf"memory \({NUM} GiB\)\.(?: Based on the available memory, the estimated maximum model length is (\d+)\.)?"
+)
+CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
+MEMORY_ERRORS = (GPU_FREE, CPU_FREE, CPU_KV, NO_CACHE, KV_TOO_SMALL, CUDA_OOM)
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def memory_failure(exc: BaseException) -> str | None:
+    """`Type: message` of the first exception in the chain that is a start-up memory failure."""
+    for e in _chain(exc):
+        text = f"{type(e).__name__}: {e}"
+        if any(p.search(text) for p in MEMORY_ERRORS):
+            return text
+    return None

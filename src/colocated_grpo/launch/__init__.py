@@ -1,0 +1,1 @@
+"""Processes: the entry point, server placement, sweep planning and the local and SLURM sweep launchers."""

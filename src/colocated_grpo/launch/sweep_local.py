@@ -1,0 +1,183 @@
+"""The local sweep launcher: every job is a fresh `torchrun` (or, for server placement, one `python train.py` that
+starts its server and its own torchrun), one after another on this machine.
+
+`python -m torch.distributed.run --nproc_per_node=N … train.py hydra.run.dir=JOB_DIR OVERRIDES…`, with N = the
+job's `parallelism.nproc_per_node`, stdout and stderr in JOB_DIR/job.log. A failed job is recorded (exit code, last
+log lines) and the sweep goes on; Ctrl-C stops the running job and its processes, and the sweep. At the end:
+SWEEP_DIR/summary.csv and a table, one row per job (analysis/tables.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from colocated_grpo import run_files
+from colocated_grpo.analysis import tables
+from colocated_grpo.launch import processes
+from colocated_grpo.launch.processes import free_port
+from colocated_grpo.launch.sweep_plan import Job, Options, default_script, gpus_on_this_machine, plan, quote, wandb_group
+from colocated_grpo.run_files import now
+
+log = logging.getLogger(__name__)
+
+
+def server_command(job: Job, script: str) -> list[str]:
+    """A server-placement job is one plain process: it starts the server and its own torchrun (server.py)."""
+    return [sys.executable, script, f"hydra.run.dir={quote(job.dir)}", *job.overrides]
+
+
+def torchrun_command(job: Job, script: str, master_port: int, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                     extra_args: Sequence[str] = ()) -> list[str]:  # fmt: skip
+    """The command that runs one job (on one node of it)."""
+    return processes.torchrun_command(
+        job.nproc_per_node, [f"hydra.run.dir={quote(job.dir)}", *job.overrides], script, master_port,
+        nnodes=job.nnodes, node_rank=node_rank, master_addr=master_addr, extra_args=extra_args,
+    )
+
+
+def job_environment() -> dict[str, str]:
+    """The environment of a job: ours, less what torchrun sets per worker, with unbuffered output and full errors."""
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_SETS}
+    return {**env, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+
+
+_TORCHRUN_SETS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID"}  # fmt: skip
+
+
+def execute(job: Job, command: list[str], log_path: Path, opts: Options, records: bool = True) -> dict:
+    """Run one job's command to the end, its output in log_path; record the outcome in job.json (when `records`).
+
+    On KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one) the job's processes are stopped and the job is
+    recorded as interrupted before the interrupt goes on.
+    """
+    started, t0 = now(), time.monotonic()
+    job.status = "running"
+    if records:
+        job.save(command=command, started=started)
+    log.info("#%d %s: %s", job.num, " ".join(job.swept) or "job", log_path)
+    exit_code = None
+    try:
+        # SIGINT first: torchrun passes it on and the runner records the run as interrupted
+        exit_code = processes.run(command, log_path, job_environment(), opts.stop_grace_s, signal.SIGINT)
+        job.status = "finished" if exit_code == 0 else "failed"
+    except KeyboardInterrupt:
+        job.status = "interrupted"
+        raise
+    finally:
+        outcome = dict(
+            command=command, started=started, ended=now(), duration_s=round(time.monotonic() - t0, 1),
+            exit_code=exit_code, log=log_path.name, log_tail=processes.tail(log_path, opts.log_tail_lines),
+            error=error_line(log_path) if job.status != "finished" else None,
+        )  # fmt: skip
+        record = job.save(**outcome) if records else job.record(**outcome)
+    if job.status == "failed":
+        log.warning("#%d failed (exit code %s): %s; see %s", job.num, exit_code, record["error"], log_path)
+    else:
+        log.info("#%d %s in %.0f s", job.num, job.status, record["duration_s"])
+    return record
+
+
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
+
+
+def error_line(log_path: Path) -> str | None:
+    """The last exception a failed job's log reports (the cause, not torchrun's ChildFailedError about it)."""
+    found = None
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = _RANK_PREFIX.sub("", line).strip()  # torchrun's "[rank0]: " before a worker's lines
+                head = line.split(":", 1)[0]
+                if ":" in line and head.endswith(("Error", "Exception", "Interrupt")) and " " not in head:
+                    if not head.endswith("ChildFailedError"):
+                        found = line
+    except OSError:
+        pass
+    return found
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (kill, a scheduler) stops the sweep like Ctrl-C does: the running job is stopped, not orphaned."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch_local(hydra_context, config: DictConfig, task_function, job_overrides, initial_job_idx: int,
+                 opts: Options):  # fmt: skip
+    """Run the jobs one after another, each as its own torchrun on this machine; returns Hydra JobReturns."""
+    script = opts.script or default_script(task_function)
+    jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=gpus_on_this_machine())
+    sweep_dir = announce(config, jobs, opts.dry_run)
+    interrupted = False
+    try:
+        with sigterm_as_interrupt():
+            for job in [] if opts.dry_run else jobs:
+                if job.status == "pending":
+                    command = (server_command(job, script) if job.server
+                               else torchrun_command(job, script, free_port(), extra_args=opts.torchrun_args))  # fmt: skip
+                    execute(job, command, Path(job.dir) / run_files.JOB_LOG, opts)
+    except KeyboardInterrupt:
+        interrupted = True
+        cancel_pending(jobs)
+    return finish(sweep_dir, jobs, interrupted)
+
+
+def announce(config: DictConfig, jobs: list[Job], dry_run: bool) -> Path:
+    sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+    runnable = [j for j in jobs if j.status == "pending"]
+    if dry_run:
+        for job in runnable:
+            job.status = "planned"
+    log.info("sweep %s: %d jobs, %d runnable, %d skipped (W&B group %s)", sweep_dir, len(jobs), len(runnable),
+             len(jobs) - len(runnable), wandb_group(config))  # fmt: skip
+    for job in jobs:
+        job.save()
+        what = f"skipped: {job.reason}" if job.reason else f"nproc_per_node={job.nproc_per_node} nnodes={job.nnodes}"
+        log.info("  #%d %s  (%s)", job.num, " ".join(job.swept) or "-", what)
+    return sweep_dir
+
+
+def cancel_pending(jobs: list[Job]) -> None:
+    for job in jobs:
+        if job.status == "pending":
+            job.status = "cancelled"
+            job.save()
+
+
+def finish(sweep_dir: Path, jobs: list[Job], interrupted: bool):
+    """Write and print the summary; end the sweep with exit code 130 when it was interrupted."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    rows = tables.load_jobs(sweep_dir)  # every job's run files, read once for the file and the table
+    csv = tables.write_summary(sweep_dir, rows)
+    tables.print_summary(sweep_dir, rows=rows)
+    log.info("sweep summary: %s", csv)
+    if interrupted:
+        log.error("sweep interrupted; jobs not run are marked cancelled in %s", csv)
+        raise SystemExit(130)
+    returns = []
+    for job in jobs:
+        ret = JobReturn(overrides=job.overrides, working_dir=job.dir, task_name=Path(job.dir).name)
+        ret.status = JobStatus.COMPLETED  # a failed job is a result of the sweep, not a reason to stop it
+        ret.return_value = job.record()
+        returns.append(ret)
+    return returns

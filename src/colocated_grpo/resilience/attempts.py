@@ -1,0 +1,106 @@
+"""The bookkeeping that lets a run survive its attempts: the run directory brought back to the checkpoint a new
+attempt starts from, run.json across attempts (status, errors, W&B id), and the message that says how to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from colocated_grpo import run_files
+from colocated_grpo.compat.hydra import task_overrides
+from colocated_grpo.resilience import checkpoints, redaction, wandb_rewind
+from colocated_grpo.resilience.preemption import StopOnSignal, TrainingInterrupted
+
+log = logging.getLogger(__name__)
+
+
+def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) -> None:
+    """Rank 0: cut the run files and W&B segments back to the checkpoint resumed from, then record the config."""
+    if resume.resuming:
+        dropped = checkpoints.trim_run_files(run_dir, resume.step)
+        removed = checkpoints.remove_incomplete(run_dir)
+        rewound = {}
+        if resume.wandb_id:
+            marker = wandb_rewind.read_marker(resume.checkpoint.path if resume.checkpoint else None)
+            rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, marker)
+        where = resume.checkpoint.path.name if resume.checkpoint else "the start (no checkpoint)"
+        log.info("resuming %s from %s, step %d; records of later steps dropped: %s; W&B rows dropped: %s; "
+                 "incomplete checkpoints removed: %s", run_dir, where, resume.step, dropped or "none",
+                 rewound or "none", removed or "none")  # fmt: skip
+    if cfg.trainer.get("trust_remote_code"):
+        log.warning("trainer.trust_remote_code=true: code shipped with the model repository will run here")
+    tree = redaction.redact(OmegaConf.to_container(cfg, resolve=True))
+    (run_dir / run_files.CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(tree)))
+    redaction.scrub_files(run_dir / ".hydra")
+
+
+class RunRecord:
+    """run.json over the attempts of one run: the first start, the W&B run id, and each attempt's start step,
+    status and error. Rank 0 writes it; every file write is redacted."""
+
+    def __init__(self, run_dir: Path, metadata: dict, resume: checkpoints.Resume, write: bool):
+        self.path, self.write = run_dir / run_files.RUN, write
+        attempts = [
+            {**a, "status": a.get("status", "died")}  # ended without recording it: SIGKILL, OOM killer, node loss
+            for a in resume.previous.get("attempts", [])
+        ]
+        self.attempt = {"started": run_files.now(), "from_step": resume.step}
+        self.data = {
+            **metadata,
+            "status": "running",
+            "started": resume.previous.get("started") or self.attempt["started"],
+            "wandb_id": resume.wandb_id,
+            "attempts": [*attempts, self.attempt],
+        }
+
+    def start(self, wandb_run) -> None:
+        if wandb_run is not None:
+            self.data["wandb_id"] = wandb_run.id
+        self._save()
+
+    def end(self, status: str, error: BaseException | None = None) -> None:
+        self.attempt.update(status=status, ended=run_files.now())
+        self.data.update(status=status, ended=self.attempt["ended"])
+        if error is not None:
+            self.data["error"] = self.attempt["error"] = f"{type(error).__name__}: {error}"
+        self._save()
+
+    def _save(self) -> None:
+        if self.write:
+            run_files.write_json(self.path, redaction.redact(self.data))
+
+
+def resume_command(run_dir: Path) -> str:
+    """How to continue this run, as a command line. Call it early: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE."""
+    overrides = task_overrides()
+    if overrides is None:
+        return f"the same command, with hydra.run.dir={run_dir}"
+    world, nproc = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE", "1")
+    launcher = ["python"] if world == 1 else ["torchrun", f"--nproc_per_node={nproc}"]
+    args = [shlex.quote(redaction.redact_text(o)) for o in overrides]
+    return " ".join([*launcher, sys.argv[0], *args, f"hydra.run.dir={shlex.quote(str(run_dir))}"])
+
+
+def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> TrainingInterrupted | None:
+    """The exit to take after training returned, when a signal cut it short (None when every step ran)."""
+    if stopper.signum is None or state.global_step >= state.max_steps:
+        return None
+    name = signal.Signals(stopper.signum).name
+    if stopper.stopped_at is None:
+        last = checkpoints.latest(run_dir)
+        saved = f"before its first step; nothing new to save (latest checkpoint: {last.path if last else 'none'})"
+    else:
+        saved = f"after step {stopper.stopped_at} of {state.max_steps}: checkpoint saved to " + str(
+            run_dir / f"checkpoint-{stopper.stopped_at}"
+        )
+    return TrainingInterrupted(
+        stopper.signum,
+        f"training stopped by {name} {saved}; run files flushed and W&B run finished. Resume with: {command}",
+    )

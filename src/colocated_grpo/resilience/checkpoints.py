@@ -1,0 +1,224 @@
+"""Checkpoints and resume.
+
+A run directory is also the trainer's output directory, so checkpoints land in `<run_dir>/checkpoint-<step>`.
+Running again with the same `hydra.run.dir` continues the run (`run.resume=auto`): from the newest complete
+checkpoint, with the same config (apart from keys that may change between attempts), with the run files cut back
+to that checkpoint so that every step appears exactly once, and with the same W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from colocated_grpo import run_files
+from colocated_grpo.resilience.redaction import REDACTED
+from colocated_grpo.run_files import STEP_KEY, flatten, read_json, read_jsonl
+
+log = logging.getLogger(__name__)
+
+RESUME_MODES = ("auto", "never")
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE = "trainer_state.json"  # written last by transformers' _save_checkpoint: its presence marks completion
+
+# Keys that may change between the attempts of one run: how long it runs, how it checkpoints and logs, and
+# machine-local settings. Any other change would silently turn the resumed run into a different experiment.
+MAY_CHANGE = (
+    "trainer.max_steps",
+    "trainer.num_train_epochs",
+    "trainer.save_strategy",
+    "trainer.save_steps",
+    "trainer.save_total_limit",
+    "trainer.logging_steps",
+    "trainer.vllm_gpu_memory_utilization",
+    "trainer.dataloader_num_workers",
+    # server placement picks free ports at every launch
+    "trainer.vllm_server_host",
+    "trainer.vllm_server_port",
+    "trainer.vllm_group_port",
+    "telemetry",
+    "run.resume",
+    "run.stop_on_nonfinite",
+    "run.cpu_kvcache_gb",
+    "run.cache_dir",
+    "logger.tags",
+    "logger.group",
+)
+# Files whose records carry the step *being generated* (TRL calls rewards before it increments global_step):
+# step k's rollouts are recorded with train/global_step = k - 1.
+GENERATION_KEYED = (run_files.ROLLOUTS,)
+
+
+class ResumeError(RuntimeError):
+    """The run directory cannot be (re)used as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+
+
+def _checkpoint_dirs(run_dir: Path):
+    """(directory, its completed step or None for a save cut short) of every checkpoint-N in the run directory."""
+    for path in Path(run_dir).glob("checkpoint-*"):
+        if path.is_dir() and _CHECKPOINT.match(path.name):
+            yield path, _completed_step(path)
+
+
+def checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """Complete checkpoints in the run directory, oldest first."""
+    found = [Checkpoint(path, step) for path, step in _checkpoint_dirs(run_dir) if step is not None]
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest(run_dir: Path) -> Checkpoint | None:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _completed_step(path: Path) -> int | None:
+    try:
+        return int(json.loads((path / TRAINER_STATE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass
+class Resume:
+    """Where this attempt starts: a new run, step 0 of a run that never checkpointed, or a checkpoint."""
+
+    checkpoint: Checkpoint | None = None
+    previous: dict = field(default_factory=dict)  # the previous attempt's run.json
+
+    @property
+    def resuming(self) -> bool:
+        return bool(self.previous)
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step if self.checkpoint else 0
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.previous.get("wandb_id")
+
+
+def lock(run_dir: Path):
+    """Hold the run directory for this process (rank 0) so that two launches never write the same run."""
+    from filelock import FileLock, Timeout
+
+    path = Path(run_dir) / ".run.lock"
+    held = FileLock(str(path))
+    try:
+        held.acquire(timeout=0)
+    except Timeout:
+        raise ResumeError(
+            f"{run_dir} is in use by another training process (it holds {path}); "
+            "wait for it to end, or choose another hydra.run.dir"
+        ) from None
+    return held
+
+
+def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
+    """Decide how this attempt starts, raising ResumeError where the run directory cannot be used as asked.
+
+    Rank 0 decides and checks; the other ranks only pick the same checkpoint (rank 0 may already be writing this
+    attempt's run.json, so they do not read it). When rank 0 refuses, torchrun stops the others.
+    """
+    run_dir = Path(run_dir)
+    if not main:
+        return Resume(latest(run_dir) if cfg.run.resume == "auto" else None)
+    previous = read_json(run_dir / run_files.RUN) or {}
+    if not previous and not (run_dir / run_files.METRICS).exists():
+        return Resume()
+    mode = str(cfg.run.resume)
+    status = previous.get("status", "unknown")
+    if mode == "never":
+        raise ResumeError(
+            f"{run_dir} already holds a run (status: {status}) and run.resume=never does not reuse it; "
+            "choose a new hydra.run.dir, or set run.resume=auto to continue that run"
+        )
+    checkpoint = latest(run_dir)
+    if checkpoint is None:
+        if status == "finished":
+            raise ResumeError(
+                f"{run_dir} holds a finished run without checkpoints, so there is nothing to continue from and "
+                "starting over would overwrite its results; choose a new hydra.run.dir"
+            )
+        log.warning("%s holds an unfinished run without a checkpoint (status: %s): starting it over from step 0",
+                    run_dir, status)  # fmt: skip
+        return Resume(None, previous)
+    check_config(cfg, run_dir, previous)
+    return Resume(checkpoint, previous)
+
+
+def check_config(cfg: DictConfig, run_dir: Path, previous: dict | None = None) -> None:
+    """Raise ResumeError when the config differs from the one the run was started with (beyond MAY_CHANGE)."""
+    stored_path = Path(run_dir) / run_files.CONFIG
+    if not stored_path.exists():
+        return
+    stored = flatten(OmegaConf.to_container(OmegaConf.load(stored_path), resolve=False))
+    current = flatten(OmegaConf.to_container(cfg, resolve=True))
+    changed = []
+    for key in sorted(set(stored) | set(current)):
+        old, new = stored.get(key, "<unset>"), current.get(key, "<unset>")
+        if old == new or old == REDACTED or any(key == k or key.startswith(k + ".") for k in MAY_CHANGE):
+            continue
+        changed.append(f"{key}: {old!r} -> {new!r}")
+    if changed:
+        overrides = (previous or {}).get("overrides")
+        hint = (
+            f"re-run with the overrides it was started with: {' '.join(overrides) or '(none)'}"
+            if overrides is not None
+            else "re-run it with the overrides it was started with"
+        )
+        raise ResumeError(
+            f"{run_dir} was started with a different config, so it cannot be resumed with this one:\n  "
+            + "\n  ".join(changed[:30])
+            + f"\nTo continue that run, {hint} (plus hydra.run.dir={run_dir}); to start a new run, choose a new "
+            f"hydra.run.dir. Keys that may change on resume: {', '.join(MAY_CHANGE)}."
+        )
+
+
+def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
+    """Drop records of steps after `step` from every per-step JSONL file, so the resumed run appends without
+    duplicates or gaps (and a torn last line of a killed writer goes too). Returns the dropped count per file."""
+    dropped = {}
+    for path in sorted(Path(run_dir).glob("*.jsonl")):
+        generation_keyed = path.name in GENERATION_KEYED
+        records = read_jsonl(path)
+        keep = [r for r in records if _keeps(r.get(STEP_KEY), step, generation_keyed)]
+        with open(path, encoding="utf-8") as f:
+            total_lines = sum(1 for _ in f)  # torn lines included: read_jsonl skipped them
+        if len(keep) == total_lines:
+            continue
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+        os.replace(tmp, path)
+        dropped[path.name] = total_lines - len(keep)
+    return dropped
+
+
+def _keeps(record_step, step: int, generation_keyed: bool) -> bool:
+    if record_step is None:
+        return True
+    return record_step < step if generation_keyed else record_step <= step
+
+
+def remove_incomplete(run_dir: Path) -> list[str]:
+    """Checkpoint directories without trainer_state.json are saves cut short; they cannot be resumed from."""
+    removed = []
+    for path, step in _checkpoint_dirs(run_dir):
+        if step is None:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed

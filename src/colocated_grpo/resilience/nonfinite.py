@@ -1,0 +1,43 @@
+"""Stop at a non-finite loss, reward or gradient norm, at the step that logged it and before a checkpoint of the
+damaged weights is saved (`run.stop_on_nonfinite`; non-finite values of single rewards are caught earlier, naming
+function and sample, in training/rewards.py)."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import TrainerCallback
+
+from colocated_grpo.resilience.checkpoints import latest
+
+CHECKED = ("loss", "reward", "grad_norm")
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class StopOnNonFinite(TrainerCallback):
+    """Raise NonFiniteError when a logged loss, reward or grad norm is NaN or infinite."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        bad = {k: logs[k] for k in CHECKED if k in (logs or {}) and not _finite(logs[k])}
+        if args.fp16:  # the loss scaler skips steps with an infinite gradient norm; those are expected
+            bad.pop("grad_norm", None)
+        if not bad:
+            return
+        last = latest(args.output_dir)
+        values = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise NonFiniteError(
+            f"non-finite {values} at step {state.global_step}: training stopped before these weights are saved. "
+            f"Last checkpoint: {last.path if last else 'none'}. Usual causes: rewards too large for float32 "
+            "(|r| > 3.4e38) or infinite, a learning rate that makes the policy diverge, fp16 overflow (use bf16). "
+            "Set run.stop_on_nonfinite=false to train on regardless."
+        )
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return True  # not a number: nothing to check

