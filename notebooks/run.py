@@ -35,7 +35,8 @@ figures_dir = None  # also write the figures there as PNGs
 # %matplotlib inline
 import pandas as pd
 
-from colocated_grpo import analysis, plots
+from colocated_grpo import analysis
+from colocated_grpo.analysis import plots
 
 if wandb_run:
     metrics = analysis.load_wandb_run(wandb_run)

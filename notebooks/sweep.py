@@ -32,7 +32,8 @@ figures_dir = None  # also write the figures there as PNGs
 
 # %%
 # %matplotlib inline
-from colocated_grpo import analysis, plots
+from colocated_grpo import analysis
+from colocated_grpo.analysis import plots
 
 if wandb_project:
     jobs = analysis.load_wandb_sweep(wandb_project, wandb_group)
@@ -40,8 +41,19 @@ else:
     sweep_dir = sweep_dir or analysis.newest_dir("sweeps")
     jobs = analysis.load_sweep(sweep_dir)
 figures = plots.Figures(figures_dir)  # written as PNGs to figures_dir, when set
-jobs[["job", "overrides", "status", *analysis.PLACEMENT_KEYS, "timing_s/step", "perf/tokens_per_s_per_gpu",
-      "memory/peak_gb", "reward", "note"]]
+jobs[
+    [
+        "job",
+        "overrides",
+        "status",
+        *analysis.PLACEMENT_KEYS,
+        "timing_s/step",
+        "perf/tokens_per_s_per_gpu",
+        "memory/peak_gb",
+        "reward",
+        "note",
+    ]
+]
 
 # %% [markdown]
 # ## Throughput over vLLM TP × gpu_memory_utilization

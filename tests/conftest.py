@@ -15,7 +15,6 @@ from colocated_grpo.launch.processes import free_port
 from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import read_jsonl
 
-
 # A test that uses one of these starts real processes: train.py, a sweep, torchrun, vLLM.
 E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
 
@@ -63,8 +62,12 @@ def run_sweep(run_env, tmp_path_factory):
         sweep_dir = tmp / "sweep"
         proc = subprocess.run(
             [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides],
-            cwd=tmp, env=run_env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+            cwd=tmp,
+            env=run_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         return proc, sweep_dir
 
     return _run_sweep
@@ -76,9 +79,17 @@ def train(run_env, tmp_path_factory):
 
     def _train(*overrides: str, nproc: int | None = None, timeout: int = 900, check: bool = True) -> Run:
         run_dir = tmp_path_factory.mktemp("run")
-        launcher = [sys.executable] if nproc is None else [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"
-        ]  # fmt: skip
+        launcher = (
+            [sys.executable]
+            if nproc is None
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}",
+            ]
+        )
         cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
         env = dict(run_env)
         if nproc is None:  # a free rendezvous port instead of accelerate's/TRL's fixed 29500 (runs may overlap)

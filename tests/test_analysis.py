@@ -29,15 +29,24 @@ NOTEBOOKS = REPO / "notebooks"
 
 # 2 × 2 jobs of one process: TP 4 does not divide the world size 1 and is skipped before launch, so the grid the
 # figures get is sparse: 2 finished jobs (TP 1 at two memory fractions) and 2 skipped ones.
-PLOT_SWEEP = ("trainer.vllm_tensor_parallel_size=1,4", "trainer.vllm_gpu_memory_utilization=0.3,0.5",
-              "trainer.max_steps=2", "logger=none")  # fmt: skip
+PLOT_SWEEP = (
+    "trainer.vllm_tensor_parallel_size=1,4",
+    "trainer.vllm_gpu_memory_utilization=0.3,0.5",
+    "trainer.max_steps=2",
+    "logger=none",
+)
 
 
 @pytest.fixture(scope="module")
 def run_dir(train) -> Path:
     """A 3-step run of 2 ranks (torchrun), whose phases.jsonl holds both ranks' phases."""
-    run = train("trainer.max_steps=3", "trainer.per_device_train_batch_size=2", "parallelism.nproc_per_node=2",
-                "logger=none", nproc=2)  # fmt: skip
+    run = train(
+        "trainer.max_steps=3",
+        "trainer.per_device_train_batch_size=2",
+        "parallelism.nproc_per_node=2",
+        "logger=none",
+        nproc=2,
+    )
     return run.dir
 
 
@@ -60,9 +69,20 @@ def no_gpu() -> bool:
 def test_load_run_is_one_row_per_step_with_trl_and_telemetry_metrics(run_dir):
     metrics = analysis.load_run(run_dir)
     assert list(metrics["train/global_step"]) == [1, 2, 3]
-    expected = {"reward", "reward_std", "rewards/exact_answer/mean", "rewards/boxed_format/mean", "rewards/length/mean",
-                "completions/mean_length", "completions/min_length", "completions/max_length", "loss",
-                *(f"timing_s/{p}" for p in (*PHASES, "step")), "perf/tokens_per_s", "perf/tokens_per_s_per_gpu"}  # fmt: skip
+    expected = {
+        "reward",
+        "reward_std",
+        "rewards/exact_answer/mean",
+        "rewards/boxed_format/mean",
+        "rewards/length/mean",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "loss",
+        *(f"timing_s/{p}" for p in (*PHASES, "step")),
+        "perf/tokens_per_s",
+        "perf/tokens_per_s_per_gpu",
+    }
     assert expected <= set(metrics.columns)
     assert metrics["reward"].between(-1, 2).all() and metrics["reward"].notna().all()
     assert metrics["completions/mean_length"].between(1, 32).all(), "trainer/tiny: max_completion_length 32"
@@ -77,7 +97,7 @@ def test_phases_file_tiles_each_step_of_each_rank_as_the_metrics_say(run_dir):
     assert set(phases["rank"]) == {0, 1} and set(phases["train/global_step"]) == {1, 2, 3}
     assert set(phases["phase"]) <= set(PHASES) and {"generate", "train"} <= set(phases["phase"])
     metrics = analysis.load_run(run_dir).set_index("train/global_step")
-    for (step, rank), own in phases.groupby(["train/global_step", "rank"]):
+    for _, own in phases.groupby(["train/global_step", "rank"]):
         assert (own["end"] > own["start"]).all()
         np.testing.assert_allclose(own["start"].iloc[1:], own["end"].iloc[:-1])  # back to back, no gap
         assert (own["phase"].iloc[1:].to_numpy() != own["phase"].iloc[:-1].to_numpy()).all(), "pieces merged"
@@ -88,8 +108,9 @@ def test_phases_file_tiles_each_step_of_each_rank_as_the_metrics_say(run_dir):
         mean = mean.unstack(fill_value=0.0).reindex(index=[1, 2, 3], columns=[0, 1], fill_value=0.0).mean(axis=1)
         np.testing.assert_allclose(mean, metrics[f"timing_s/{phase}"], rtol=1e-6, atol=1e-9)
     span = phases.groupby(["train/global_step", "rank"]).agg(start=("start", "min"), end=("end", "max"))
-    np.testing.assert_allclose((span["end"] - span["start"]).groupby(level=0).mean(), metrics["timing_s/step"],
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        (span["end"] - span["start"]).groupby(level=0).mean(), metrics["timing_s/step"], rtol=1e-6
+    )
 
 
 @pytest.mark.skipif(not no_gpu(), reason="a machine with a GPU may have NVML samples")
@@ -116,8 +137,9 @@ def samples_from_phases(phases, interval_s: float = 0.01):
         raw = [Sample(float(t), gpu, 0.0, 10.0 + rank, 300.0, 1980.0) for t in times for gpu in gpus]
         for sample, phase in aggregate.label_samples(raw, segments):
             step = next(r["train/global_step"] for r in records if r["start"] <= sample.t <= r["end"])
-            rows.append({"train/global_step": step, "rank": rank, "phase": phase,
-                         **{**sample.__dict__, "util": util[phase]}})  # fmt: skip
+            rows.append(
+                {"train/global_step": step, "rank": rank, "phase": phase, **{**sample.__dict__, "util": util[phase]}}
+            )
     return pd.DataFrame(rows, columns=list(frames.SAMPLE_COLUMNS))
 
 
@@ -142,7 +164,7 @@ def test_timeline_draws_each_gpu_over_the_phases_of_the_rank_that_sampled_it(run
         np.testing.assert_allclose(widths, expected, rtol=1e-6)
     # where phases.jsonl is missing (older runs), the same intervals come back from the samples' labels
     derived = frames.phases_from_samples(samples)
-    for (rank, phase), real in (phases.assign(d=phases["end"] - phases["start"]).groupby(["rank", "phase"])["d"]):
+    for (rank, phase), real in phases.assign(d=phases["end"] - phases["start"]).groupby(["rank", "phase"])["d"]:
         got = derived[(derived["rank"] == rank) & (derived["phase"] == phase)]
         pieces = ((phases["rank"] == rank) & (phases["phase"] == phase)).sum()
         assert abs((got["end"] - got["start"]).sum() - real.sum()) <= 2 * 0.01 * pieces + 1e-9
@@ -255,8 +277,12 @@ def figure_outputs(nb) -> int:
 
 def test_sweep_notebook_executes_headless_with_its_parameters(sweep_dir, tmp_path):
     figures = tmp_path / "figures"
-    nb = notebook.execute(NOTEBOOKS / "sweep.ipynb", {"sweep_dir": str(sweep_dir), "figures_dir": str(figures)},
-                          tmp_path / "sweep.executed.ipynb", cwd=tmp_path)  # fmt: skip
+    nb = notebook.execute(
+        NOTEBOOKS / "sweep.ipynb",
+        {"sweep_dir": str(sweep_dir), "figures_dir": str(figures)},
+        tmp_path / "sweep.executed.ipynb",
+        cwd=tmp_path,
+    )
     assert "injected-parameters" in nb.cells[2].metadata["tags"]
     assert figure_outputs(nb) == 4
     assert_pngs(figures.glob("*.png"), plots.sweep_figures(analysis.load_sweep(sweep_dir)))
@@ -266,9 +292,22 @@ def test_sweep_notebook_executes_headless_with_its_parameters(sweep_dir, tmp_pat
 def test_run_notebook_executes_headless_from_the_script(run_dir, tmp_path):
     figures = tmp_path / "figures"
     out = tmp_path / "run.executed.ipynb"
-    subprocess.run([sys.executable, "-m", "colocated_grpo.analysis.notebook", str(NOTEBOOKS / "run.py"), f"run_dir={run_dir}",
-                    "timeline_steps=(2, 3)", f"figures_dir={figures}", "-o", str(out)], cwd=tmp_path, check=True,
-                   timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colocated_grpo.analysis.notebook",
+            str(NOTEBOOKS / "run.py"),
+            f"run_dir={run_dir}",
+            "timeline_steps=(2, 3)",
+            f"figures_dir={figures}",
+            "-o",
+            str(out),
+        ],
+        cwd=tmp_path,
+        check=True,
+        timeout=300,
+    )
     nb = nbformat.read(out, 4)
     assert "timeline_steps = (2, 3)\n" in nb.cells[2].source
     assert figure_outputs(nb) == 3
@@ -278,16 +317,25 @@ def test_run_notebook_executes_headless_from_the_script(run_dir, tmp_path):
 
 
 def test_render_writes_the_sweeps_and_a_runs_pngs_next_to_them(sweep_dir, run_dir):
-    for directory, names in ((sweep_dir, ["throughput_heatmap", "step_breakdown", "peak_memory", "colocate_vs_server"]),
-                             (run_dir, ["gpu_timeline", "training_curves", "step_phases"])):  # fmt: skip
-        proc = subprocess.run([sys.executable, "-m", "colocated_grpo.analysis", "render", str(directory)],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    for directory, names in (
+        (sweep_dir, ["throughput_heatmap", "step_breakdown", "peak_memory", "colocate_vs_server"]),
+        (run_dir, ["gpu_timeline", "training_curves", "step_phases"]),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "colocated_grpo.analysis", "render", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         paths = proc.stdout.split()
         assert all(Path(p).parent == directory / "figures" for p in paths)
         assert_pngs(paths, names)
-    proc = subprocess.run([sys.executable, "-m", "colocated_grpo.analysis", "render", str(run_dir / "figures")],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "colocated_grpo.analysis", "render", str(run_dir / "figures")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "neither a run directory" in proc.stderr
 
 
@@ -323,15 +371,20 @@ class WandbRunFromFiles:
         run = read_json(run_dir / "run.json")
         self.name, self.state, self.group = run_dir.name, run["status"], group
         self.path = ["entity", "project", run_dir.name]
-        self.config = {"cfg": yaml.safe_load((run_dir / "config.yaml").read_text()), "placement": run["placement"],
-                       "world_size": run["world_size"]}  # fmt: skip
+        self.config = {
+            "cfg": yaml.safe_load((run_dir / "config.yaml").read_text()),
+            "placement": run["placement"],
+            "world_size": run["world_size"],
+        }
         self.summary_metrics = {**read_json(run_dir / "summary.json"), "_runtime": 1.0}
         self.history = []
         for step, m in enumerate(read_jsonl(run_dir / "metrics.jsonl")):
             trl = {f"train/{k}": v for k, v in m.items() if not k.startswith(TELEMETRY) and k != "train/global_step"}
             ours = {k: v for k, v in m.items() if k.startswith(TELEMETRY)}
-            self.history += [{**trl, "train/global_step": m["train/global_step"], "_step": 2 * step},
-                             {**ours, "train/global_step": m["train/global_step"], "_step": 2 * step + 1}]  # fmt: skip
+            self.history += [
+                {**trl, "train/global_step": m["train/global_step"], "_step": 2 * step},
+                {**ours, "train/global_step": m["train/global_step"], "_step": 2 * step + 1},
+            ]
 
     def scan_history(self):
         return iter(self.history)

@@ -27,15 +27,31 @@ TINY_STUDY = {
     },
     "bench": {
         "standalone": ["--prompts", "4", "--completion", "32", "--prompt-tokens", "16", "--repeats", "1"],
-        "trl_engine": ["--prompts", "4", "--completion", "32", "--prompt-tokens", "16", "--repeats", "1",
-                       "--engine", "trl"],
+        "trl_engine": [
+            "--prompts",
+            "4",
+            "--completion",
+            "32",
+            "--prompt-tokens",
+            "16",
+            "--repeats",
+            "1",
+            "--engine",
+            "trl",
+        ],
     },
 }
 
 
 def _run_study(definition, out, env, tmp_path):
-    return subprocess.run([sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +105,9 @@ def test_running_again_keeps_finished_cases(tiny_study, run_env, tmp_path):
     before = (out / "results.csv").read_text()
     proc = _run_study(definition, out, run_env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "tiny colocate: finished earlier, kept" in proc.stdout and "standalone: measured earlier, kept" in proc.stdout
+    assert (
+        "tiny colocate: finished earlier, kept" in proc.stdout and "standalone: measured earlier, kept" in proc.stdout
+    )
     assert len(read_json(out / "env.json")) == 2, "each run's environment is kept"
     assert "[3/5] tiny broken: " in proc.stdout and "exit" in proc.stdout, "a failed case is tried again"
     after = pd.read_csv(out / "results.csv")
@@ -104,11 +122,25 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, t
     import psutil
 
     definition, out = tmp_path / "long.yaml", tmp_path / "out"
-    definition.write_text(yaml.safe_dump({"models": ["tiny"], "common": ["logger=none"], "baseline": "long",
-                                          "cases": {"long": ["trainer.max_steps=500"], "next": []}}))  # fmt: skip
-    study_proc = subprocess.Popen([sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", "out"],
-                                  cwd=tmp_path, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, start_new_session=True)  # fmt: skip
+    definition.write_text(
+        yaml.safe_dump(
+            {
+                "models": ["tiny"],
+                "common": ["logger=none"],
+                "baseline": "long",
+                "cases": {"long": ["trainer.max_steps=500"], "next": []},
+            }
+        )
+    )
+    study_proc = subprocess.Popen(
+        [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", "out"],
+        cwd=tmp_path,
+        env=run_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not list(out.glob("runs/tiny/long/0_*/run.json")):  # the case's training has started
@@ -164,6 +196,8 @@ def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):
     assert pd.read_csv(copy / "results.csv").equals(pd.read_csv(kept / "results.csv"))
     table = pd.read_csv(kept / "results.csv").set_index(["model", "case"])
     assert (table["status"] == "finished").all() and len(table) == 12
-    sleep, awake = table.loc[("qwen2.5-1.5b-random", "colocate_sleep_tp1_mem0.3")], table.loc[
-        ("qwen2.5-1.5b-random", "colocate_tp1_mem0.3")]  # fmt: skip
+    sleep, awake = (
+        table.loc[("qwen2.5-1.5b-random", "colocate_sleep_tp1_mem0.3")],
+        table.loc[("qwen2.5-1.5b-random", "colocate_tp1_mem0.3")],
+    )
     assert sleep["sleep_wake_s"] > 0 and sleep["train_mem_gb"] < awake["train_mem_gb"] / 2

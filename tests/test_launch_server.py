@@ -18,8 +18,15 @@ GPUS = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
 
 
 def placement(**kw):
-    p = {"name": "server", "server_gpus": 1, "server_tensor_parallel_size": 1, "gpu_memory_utilization": 0.9,
-         "port": None, "group_port": None, "health_timeout_s": 30} | kw  # fmt: skip
+    p = {
+        "name": "server",
+        "server_gpus": 1,
+        "server_tensor_parallel_size": 1,
+        "gpu_memory_utilization": 0.9,
+        "port": None,
+        "group_port": None,
+        "health_timeout_s": 30,
+    } | kw
     return OmegaConf.create({"placement": p, "trainer": {"vllm_max_model_length": 256}, "model": {"dtype": "bfloat16"}})
 
 
@@ -36,12 +43,16 @@ def test_two_plans_get_different_ports():
 
 @pytest.mark.parametrize("k", [4, 5, 0])
 def test_server_must_leave_gpus_for_training(k):
-    with pytest.raises(ConfigError, match=f"placement.server_gpus={k} must be at least 1 and leave at least one of the 4"):
+    with pytest.raises(
+        ConfigError, match=f"placement.server_gpus={k} must be at least 1 and leave at least one of the 4"
+    ):
         server.plan(placement(server_gpus=k), GPUS)
 
 
 def test_server_tp_must_divide_server_gpus():
-    with pytest.raises(ConfigError, match="placement.server_tensor_parallel_size=2 must divide placement.server_gpus=3"):
+    with pytest.raises(
+        ConfigError, match=r"placement\.server_tensor_parallel_size=2 must divide placement\.server_gpus=3"
+    ):
         server.plan(placement(server_gpus=3, server_tensor_parallel_size=2), GPUS)
 
 
@@ -60,7 +71,7 @@ def test_server_command_splits_engines_by_tp():
     plan = server.ServerPlan(["GPU-a"], ["GPU-b", "GPU-c"], 8000, 51216)
     cmd = server.server_command(placement(server_gpus=2), "/models/m", plan)
     assert cmd[1:4] == ["-m", "trl.cli.main", "vllm-serve"]
-    args = dict(zip(cmd[4::2], cmd[5::2]))
+    args = dict(zip(cmd[4::2], cmd[5::2], strict=True))
     assert args["--data_parallel_size"] == "2" and args["--tensor_parallel_size"] == "1" and args["--port"] == "8000"
     assert args["--max_model_len"] == "256" and args["--gpu_memory_utilization"] == "0.9"
 
@@ -86,8 +97,10 @@ def _has_nvml():
 def test_healthy_server_is_detected(tmp_path):
     (tmp_path / "health").write_text("ok")
     port = processes.free_port()
-    proc = processes.start([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path)],
-                           tmp_path / "server.log")  # fmt: skip
+    proc = processes.start(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(tmp_path)],
+        tmp_path / "server.log",
+    )
     try:
         waited = server.wait_until_healthy(f"http://127.0.0.1:{port}/health", proc, 30, tmp_path / "server.log")
         assert waited < 30
@@ -98,7 +111,9 @@ def test_healthy_server_is_detected(tmp_path):
 
 def test_server_that_dies_is_reported_with_its_log(tmp_path):
     log = tmp_path / "server.log"
-    proc = processes.start([sys.executable, "-c", "print('CUDA out of memory while loading'); raise SystemExit(3)"], log)
+    proc = processes.start(
+        [sys.executable, "-c", "print('CUDA out of memory while loading'); raise SystemExit(3)"], log
+    )
     with pytest.raises(server.ServerError, match=r"exited with code 3 before it was healthy(.|\n)*CUDA out of memory"):
         server.wait_until_healthy(f"http://127.0.0.1:{processes.free_port()}/health", proc, 30, log)
 
@@ -117,8 +132,10 @@ def test_server_that_never_answers_times_out(tmp_path):
 
 def test_stop_takes_down_the_whole_process_group(tmp_path):
     # a parent that ignores SIGTERM and has two grandchildren, like torchrun with its workers
-    script = "import subprocess, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
-             "[subprocess.Popen(['sleep', '300']) for _ in range(2)]; time.sleep(300)"
+    script = (
+        "import subprocess, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "[subprocess.Popen(['sleep', '300']) for _ in range(2)]; time.sleep(300)"
+    )
     proc = processes.start([sys.executable, "-c", script], tmp_path / "log")
     deadline, children = time.monotonic() + 20, []
     while len(children) < 3 and time.monotonic() < deadline:  # wait for both grandchildren to start

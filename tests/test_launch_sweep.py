@@ -38,8 +38,13 @@ def jobs(sweep_dir: Path) -> dict[int, dict]:
 
 # 2 × 2 jobs on 2 ranks each: TP 2 runs, TP 4 cannot (world 2, 2 heads) and is skipped before launch;
 # data.max_operand=-1 composes and validates but fails at run time (no problems to draw).
-TINY_SWEEP = ("trainer.vllm_tensor_parallel_size=2,4", "data.max_operand=20,-1", "parallelism.nproc_per_node=2",
-              "trainer.per_device_train_batch_size=2", "trainer.max_steps=2")  # fmt: skip
+TINY_SWEEP = (
+    "trainer.vllm_tensor_parallel_size=2,4",
+    "data.max_operand=20,-1",
+    "parallelism.nproc_per_node=2",
+    "trainer.per_device_train_batch_size=2",
+    "trainer.max_steps=2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +100,16 @@ def test_summary_csv_has_one_row_per_job_with_the_runs_numbers(tiny_sweep):
     proc, sweep_dir = tiny_sweep
     rows = pd.read_csv(sweep_dir / "summary.csv")
     assert list(rows["status"]) == ["finished", "failed", "skipped", "skipped"]
-    assert list(rows["overrides"])[0] == "trainer.vllm_tensor_parallel_size=2 data.max_operand=20"
+    assert rows["overrides"].iloc[0] == "trainer.vllm_tensor_parallel_size=2 data.max_operand=20"
     done = rows.iloc[0]
     # steady state from the run's telemetry: summary.json (step 1 left out as warm-up)
     run_dir = jobs(sweep_dir)[0]["path"]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [m["train/global_step"] for m in metrics] == [1, 2]
-    assert done["timing_s/step"] == pytest.approx(metrics[1]["timing_s/step"]) == pytest.approx(summary["timing_s/step"])
+    assert (
+        done["timing_s/step"] == pytest.approx(metrics[1]["timing_s/step"]) == pytest.approx(summary["timing_s/step"])
+    )
     assert done["perf/tokens_per_s"] == pytest.approx(metrics[1]["perf/tokens_per_s"])
     assert done["perf/tokens_per_s_per_gpu"] == pytest.approx(done["perf/tokens_per_s"] / 2)
     assert done["perf/tokens_per_s_per_gpu"] > 0
@@ -159,10 +166,25 @@ def test_wandb_runs_share_the_sweep_group_and_are_named_by_their_overrides(tiny_
 
 def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(run_env, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", "seed=0,1",
-           "trainer.max_steps=500", "logger=none", "hydra.launcher.stop_grace_s=20"]  # fmt: skip
-    parent = subprocess.Popen(cmd, cwd=tmp_path, env=run_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "-m",
+        f"hydra.sweep.dir={sweep_dir}",
+        "seed=0,1",
+        "trainer.max_steps=500",
+        "logger=none",
+        "hydra.launcher.stop_grace_s=20",
+    ]
+    parent = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=run_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         # wait until job 0's training process has started its run (run.json), then press Ctrl-C
@@ -177,7 +199,7 @@ def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(run_env, tmp_path):
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
     assert parent.returncode == 130, output[-4000:]
-    gone, alive = psutil.wait_procs(job_procs, timeout=5)
+    _, alive = psutil.wait_procs(job_procs, timeout=5)
     assert not alive, f"left behind: {alive}"
     by_num = jobs(sweep_dir)
     assert by_num[0]["status"] == "interrupted" and by_num[1]["status"] == "cancelled"
@@ -213,8 +235,14 @@ def test_run_summary_falls_back_to_metrics_after_the_first_step(tmp_path):
 
 
 def test_run_summary_prefers_summary_json(tmp_path):
-    telemetry = {"timing_s/step": 1.5, "timing_s/generate": 1.0, "perf/tokens_per_s_per_gpu": 77.0,
-                 "gpu/util_generate": 0.9, "gpu/util_train": 0.6, "memory/peak_gb": 31.5}  # fmt: skip
+    telemetry = {
+        "timing_s/step": 1.5,
+        "timing_s/generate": 1.0,
+        "perf/tokens_per_s_per_gpu": 77.0,
+        "gpu/util_generate": 0.9,
+        "gpu/util_train": 0.6,
+        "memory/peak_gb": 31.5,
+    }
     _write_run(tmp_path / "run", telemetry)
     row = tables.run_summary(tmp_path / "run")
     assert {k: row[k] for k in telemetry} == telemetry
@@ -247,12 +275,14 @@ def compose_hydra(*overrides):
 @pytest.mark.parametrize(
     "name, params",
     [
-        ("tp_x_gpu_mem", {"trainer.vllm_tensor_parallel_size": "1,2,4,8",
-                          "trainer.vllm_gpu_memory_utilization": "0.2,0.3,0.5,0.7"}),
+        (
+            "tp_x_gpu_mem",
+            {"trainer.vllm_tensor_parallel_size": "1,2,4,8", "trainer.vllm_gpu_memory_utilization": "0.2,0.3,0.5,0.7"},
+        ),
         ("placement", {"vllm": "colocate,colocate_sleep,server,none"}),
         ("batch_scaling", {"trainer.per_device_train_batch_size": "8,16,32,64"}),
     ],
-)  # fmt: skip
+)
 def test_named_sweeps_define_their_grid_and_use_the_torchrun_launcher(name, params):
     cfg = compose_hydra("+experiment=qwen_colocate", f"+sweep={name}")
     assert dict(cfg.hydra.sweeper.params) == params
@@ -262,8 +292,13 @@ def test_named_sweeps_define_their_grid_and_use_the_torchrun_launcher(name, para
 def test_dry_run_plans_the_gpu_sweep_and_skips_what_two_gpus_cannot_run(run_sweep):
     """tp_x_gpu_mem for random Qwen2.5-1.5B shapes (12 heads, 2 KV heads) on 2 GPUs: TP 1 and 2 are planned,
     TP 4 and 8 skipped with the reason; nothing is launched."""
-    proc, sweep_dir = run_sweep("+experiment=gpu_smoke", "model=qwen2.5-1.5b-random", "parallelism.nproc_per_node=2",
-                                "+sweep=tp_x_gpu_mem", "hydra.launcher.dry_run=true")  # fmt: skip
+    proc, sweep_dir = run_sweep(
+        "+experiment=gpu_smoke",
+        "model=qwen2.5-1.5b-random",
+        "parallelism.nproc_per_node=2",
+        "+sweep=tp_x_gpu_mem",
+        "hydra.launcher.dry_run=true",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     by_num = jobs(sweep_dir)
     assert len(by_num) == 16
@@ -282,8 +317,11 @@ def test_dry_run_of_placement_skips_what_a_machine_without_gpu_cannot_run(run_sw
     assert proc.returncode == 0, proc.stderr[-4000:]
     by_num = jobs(sweep_dir)
     assert [by_num[n]["swept"] for n in range(4)] == [
-        ["vllm=colocate"], ["vllm=colocate_sleep"], ["vllm=server"], ["vllm=none"]
-    ]  # fmt: skip
+        ["vllm=colocate"],
+        ["vllm=colocate_sleep"],
+        ["vllm=server"],
+        ["vllm=none"],
+    ]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     sleep_status = "planned" if gpus else "skipped"
     server_status = "planned" if gpus >= 2 else "skipped"
@@ -291,15 +329,23 @@ def test_dry_run_of_placement_skips_what_a_machine_without_gpu_cannot_run(run_sw
     if sleep_status == "skipped":
         assert "needs a GPU; vLLM on CPU has no sleep mode" in by_num[1]["reason"]
     if server_status == "skipped":
-        assert f"vllm=server with placement.server_gpus=1 needs more than 1 GPUs; this machine has {gpus}" in by_num[2]["reason"]
+        assert (
+            f"vllm=server with placement.server_gpus=1 needs more than 1 GPUs; this machine has {gpus}"
+            in by_num[2]["reason"]
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- SLURM
 
 
 def test_slurm_launcher_composes_over_a_named_sweep():
-    cfg = compose_hydra("+sweep=tp_x_gpu_mem", "hydra/launcher=torchrun_slurm", "hydra.launcher.nodes=2",
-                        "hydra.launcher.partition=gpu", "parallelism.nproc_per_node=8")  # fmt: skip
+    cfg = compose_hydra(
+        "+sweep=tp_x_gpu_mem",
+        "hydra/launcher=torchrun_slurm",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.partition=gpu",
+        "parallelism.nproc_per_node=8",
+    )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("TorchrunSlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 1, None)
@@ -312,8 +358,12 @@ def test_slurm_tasks_get_one_sbatch_job_and_a_torchrun_per_node(tmp_path, monkey
     (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    cfg = compose_hydra("hydra/launcher=torchrun_slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=gpu",
-                        f"hydra.sweep.dir={tmp_path / 'sweep'}")  # fmt: skip
+    cfg = compose_hydra(
+        "hydra/launcher=torchrun_slurm",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.partition=gpu",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
     params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     params.pop("_target_")
     opts, params = sweep_plan.Options.split(params)
@@ -321,15 +371,26 @@ def test_slurm_tasks_get_one_sbatch_job_and_a_torchrun_per_node(tmp_path, monkey
     executor = sweep_slurm.submitit_executor("slurm", params)
     executor.update_parameters(gpus_per_node=8)
     sbatch = executor._executor._make_submission_file_text("python -m submitit.core._submit", "uid")
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --partition=gpu"):  # fmt: skip
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+    ):
         assert line in sbatch
 
     # the torchrun command and environment each task (one per node) gets from SLURM's environment
     job = sweep_plan.Job(3, ["a=1", "b=2"], ["a=1"], str(tmp_path / "sweep" / "3_a=1"), nproc_per_node=8, nnodes=2)
     opts.script = str(REPO / "train.py")
-    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2",
-             "SLURM_JOB_NODELIST": "gpu-[07-08]", "RANK": "5", "MASTER_PORT": "1"}  # fmt: skip
+    slurm = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "gpu-[07-08]",
+        "RANK": "5",
+        "MASTER_PORT": "1",
+    }
     for key, value in slurm.items():
         monkeypatch.setenv(key, value)
     commands = {}
@@ -339,8 +400,13 @@ def test_slurm_tasks_get_one_sbatch_job_and_a_torchrun_per_node(tmp_path, monkey
         commands[node], log = sweep_slurm.node_command(job, opts)
         assert log.name == ("job.log" if node == 0 else "job.node1.log") and log.parent == Path(job.dir)
     for node, command in commands.items():
-        assert command[3:8] == ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=8", "--master_addr=gpu-07",
-                                commands[0][7]]  # fmt: skip
+        assert command[3:8] == [
+            "--nnodes=2",
+            f"--node_rank={node}",
+            "--nproc_per_node=8",
+            "--master_addr=gpu-07",
+            commands[0][7],
+        ]
         assert command[-3:] == [f"hydra.run.dir='{job.dir}'", "a=1", "b=2"]
     env = sweep_local.job_environment()
     assert "RANK" not in env and "MASTER_PORT" not in env, "torchrun sets them per worker"
@@ -350,17 +416,33 @@ def test_slurm_tasks_get_one_sbatch_job_and_a_torchrun_per_node(tmp_path, monkey
 def test_two_slurm_tasks_form_one_multi_node_torchrun(run_env, tmp_path):
     """What the two tasks of a 2-node SLURM job run, both on this machine: each starts torchrun for its node with
     the rendezvous taken from SLURM's environment, and the two meet as one world of 2 ranks that trains."""
-    job = sweep_plan.Job(0, ["trainer.max_steps=1", "trainer.per_device_train_batch_size=2", "logger=none"], [],
-                    str(tmp_path / "sweep" / "0_two_nodes"), nproc_per_node=1, nnodes=2)  # fmt: skip
-    task = "import json, sys; from colocated_grpo.launch import sweep_slurm as sweep; " \
-           "sweep_slurm.run_on_node(sweep_plan.Job(**json.loads(sys.argv[1])), sweep_plan.Options(script=sys.argv[2]))"  # fmt: skip
-    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": str(os.getpid()), "SLURM_JOB_NUM_NODES": "2",
-             "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost"}  # fmt: skip
+    job = sweep_plan.Job(
+        0,
+        ["trainer.max_steps=1", "trainer.per_device_train_batch_size=2", "logger=none"],
+        [],
+        str(tmp_path / "sweep" / "0_two_nodes"),
+        nproc_per_node=1,
+        nnodes=2,
+    )
+    task = (
+        "import json, sys; from colocated_grpo.launch import sweep_slurm as sweep; "
+        "sweep_slurm.run_on_node(sweep_plan.Job(**json.loads(sys.argv[1])), sweep_plan.Options(script=sys.argv[2]))"
+    )
+    slurm = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": str(os.getpid()),
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "localhost",
+    }
     tasks = [
-        subprocess.Popen([sys.executable, "-c", task, json.dumps(job.record()), str(REPO / "train.py")], cwd=tmp_path,
-                         env={**run_env, **slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)})
+        subprocess.Popen(
+            [sys.executable, "-c", task, json.dumps(job.record()), str(REPO / "train.py")],
+            cwd=tmp_path,
+            env={**run_env, **slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)},
+        )
         for node in (0, 1)
-    ]  # fmt: skip
+    ]
     try:
         assert [t.wait(timeout=400) for t in tasks] == [0, 0]
     finally:
@@ -375,8 +457,12 @@ def test_two_slurm_tasks_form_one_multi_node_torchrun(run_env, tmp_path):
 
 
 def test_submitit_local_executor_runs_a_job_through_the_slurm_code_path(run_sweep):
-    proc, sweep_dir = run_sweep("hydra/launcher=torchrun_submitit_local", "logger=none",
-                                "trainer.vllm_tensor_parallel_size=1,2", "trainer.max_steps=1")  # fmt: skip
+    proc, sweep_dir = run_sweep(
+        "hydra/launcher=torchrun_submitit_local",
+        "logger=none",
+        "trainer.vllm_tensor_parallel_size=1,2",
+        "trainer.max_steps=1",
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     by_num = jobs(sweep_dir)
     assert by_num[0]["status"] == "finished" and by_num[1]["status"] == "skipped"

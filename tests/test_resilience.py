@@ -37,13 +37,27 @@ class Job:
     def __init__(self, run_dir: Path, model_cache: Path, *overrides: str, nproc: int | None = None, env=None):
         self.dir = run_dir
         self.log = run_dir.with_name(run_dir.name + f".{time.monotonic_ns()}.log")
-        launcher = [sys.executable] if nproc is None else [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"
-        ]  # fmt: skip
+        launcher = (
+            [sys.executable]
+            if nproc is None
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}",
+            ]
+        )
         self.cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
         path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
-        self.env = {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline",
-                    "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "COLOCATED_GRPO_CACHE": str(model_cache),
+            "WANDB_MODE": "offline",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": path,
+            **(env or {}),
+        }
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 self.cmd, cwd=run_dir.parent, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -197,8 +211,11 @@ def test_sigterm_saves_a_checkpoint_finishes_wandb_and_exits_143(model_cache, tm
     n = steps[-1]
     assert steps == list(range(1, n + 1)) and n < 10
     assert checkpoints.latest(run_dir).step == n, "checkpoint of the last finished step"
-    message = re.search(r"training stopped by SIGTERM after step (\d+) of 10: checkpoint saved to (\S+);.*"
-                        r"W&B run finished\. Resume with: (.+)", first.output)  # fmt: skip
+    message = re.search(
+        r"training stopped by SIGTERM after step (\d+) of 10: checkpoint saved to (\S+);.*"
+        r"W&B run finished\. Resume with: (.+)",
+        first.output,
+    )
     assert message and int(message[1]) == n and message[2] == str(run_dir / f"checkpoint-{n}")
     run = json.loads((run_dir / "run.json").read_text())
     assert run["status"] == "interrupted" and run["attempts"][-1]["status"] == "interrupted"
@@ -209,19 +226,27 @@ def test_sigterm_saves_a_checkpoint_finishes_wandb_and_exits_143(model_cache, tm
     # The printed command resumes it and the run completes, each step once.
     command = message[3].split()
     assert command[0] == "python" and command[1:] == [str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
-    second = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=first.env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    second = subprocess.run(
+        [sys.executable, *command[1:]], cwd=tmp_path, env=first.env, capture_output=True, text=True, timeout=600
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert [r["train/global_step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 11))
-    assert sum((main_rows(s) for s in wandb_rewind.segments(run_dir / "wandb", run["wandb_id"])), []) == list(
-        range(1, 11)
-    )
+    segments = wandb_rewind.segments(run_dir / "wandb", run["wandb_id"])
+    assert [step for s in segments for step in main_rows(s)] == list(range(1, 11))
 
 
 def test_torchrun_forwards_sigterm_and_both_ranks_stop_at_the_same_step(model_cache, tmp_path):
     run_dir = tmp_path / "run"
-    j = Job(run_dir, model_cache, "trainer.max_steps=30", "trainer.save_strategy=no", "logger=none",
-            "parallelism.nproc_per_node=2", "trainer.per_device_train_batch_size=2", nproc=2)  # fmt: skip
+    j = Job(
+        run_dir,
+        model_cache,
+        "trainer.max_steps=30",
+        "trainer.save_strategy=no",
+        "logger=none",
+        "parallelism.nproc_per_node=2",
+        "trainer.per_device_train_batch_size=2",
+        nproc=2,
+    )
     rc = _stop_after(j, 1, signal.SIGTERM, group=False)  # to torchrun only: it forwards the signal to its workers
     assert rc != 0, j.output[-4000:]
     n = j.steps()[-1]
@@ -256,8 +281,11 @@ def test_vllm_cpu_kv_cache_larger_than_memory_names_the_key_and_the_numbers(job)
 def test_reward_that_raises_names_function_and_sample(job):
     j = job(*FAULTY, "+reward.weights.fails_on_odd_answer=1.0", "trainer.max_steps=20", check=False)
     assert j.proc.returncode != 0
-    m = re.search(r"RewardError: reward 'fails_on_odd_answer' raised ZeroDivisionError: odd answers are not handled "
-                  r"on sample (\d+): completion='.*' columns=\{'answer': '(-?\d+)'\}", j.output)  # fmt: skip
+    m = re.search(
+        r"RewardError: reward 'fails_on_odd_answer' raised ZeroDivisionError: odd answers are not handled "
+        r"on sample (\d+): completion='.*' columns=\{'answer': '(-?\d+)'\}",
+        j.output,
+    )
     assert m and int(m[2]) % 2 == 1, j.output[-4000:]
     assert json.loads((j.dir / "run.json").read_text())["error"].startswith("RewardError: reward 'fails_on_odd")
 
@@ -265,8 +293,11 @@ def test_reward_that_raises_names_function_and_sample(job):
 def test_nan_reward_stops_the_run_naming_function_and_sample(job):
     j = job(*FAULTY, "+reward.weights.nan_on_second=1.0", check=False)
     assert j.proc.returncode != 0
-    assert re.search(r"NonFiniteRewardError: reward 'nan_on_second' returned nan for sample 1: completion='.*' "
-                     r"columns=\{'answer': '-?\d+'\}\. A reward must be a finite number", j.output), j.output[-4000:]
+    assert re.search(
+        r"NonFiniteRewardError: reward 'nan_on_second' returned nan for sample 1: completion='.*' "
+        r"columns=\{'answer': '-?\d+'\}\. A reward must be a finite number",
+        j.output,
+    ), j.output[-4000:]
     assert not (j.dir / "metrics.jsonl").exists(), "no step was trained on it"
 
 
@@ -279,11 +310,20 @@ def test_nan_reward_passes_to_trl_when_allowed(job):
 
 def test_diverging_policy_stops_before_its_weights_are_checkpointed(job):
     # A learning rate of 1e30 turns the weights to inf/NaN in the first update; the next step's gradient is NaN.
-    j = job("trainer.learning_rate=1e30", "reward=length", "+reward.params.length.target=16", "trainer.save_steps=1",
-            "logger=none", check=False)  # fmt: skip
+    j = job(
+        "trainer.learning_rate=1e30",
+        "reward=length",
+        "+reward.params.length.target=16",
+        "trainer.save_steps=1",
+        "logger=none",
+        check=False,
+    )
     assert j.proc.returncode != 0
-    m = re.search(r"NonFiniteError: non-finite (?:loss|grad_norm)=\S+ at step (\d+): training stopped before these "
-                  r"weights are saved\. Last checkpoint: (\S+)\.", j.output)  # fmt: skip
+    m = re.search(
+        r"NonFiniteError: non-finite (?:loss|grad_norm)=\S+ at step (\d+): training stopped before these "
+        r"weights are saved\. Last checkpoint: (\S+)\.",
+        j.output,
+    )
     assert m, j.output[-4000:]
     bad = int(m[1])
     assert bad >= 2 and m[2] == str(j.dir / f"checkpoint-{bad - 1}")
@@ -349,8 +389,11 @@ def test_ctrl_c_stops_at_the_end_of_the_step_and_a_late_repeat_stops_at_once(mon
         signal.raise_signal(signal.SIGINT)  # the same Ctrl-C forwarded by torchrun: ignored
         stopper.on_step_end(args, TrainerState(global_step=3), control)
         assert (stopper.signum, stopper.stopped_at, control.should_save, control.should_training_stop) == (
-            signal.SIGINT, 3, True, True
-        )  # fmt: skip
+            signal.SIGINT,
+            3,
+            True,
+            True,
+        )
         monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.0)
         with pytest.raises(KeyboardInterrupt):  # pressed again later: stop now
             signal.raise_signal(signal.SIGINT)
@@ -403,8 +446,11 @@ def test_wandb_rewind_cuts_offline_segment_at_the_checkpoint(tmp_path):
 
 def test_redaction_of_credential_keys_and_environment_values(monkeypatch):
     monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-1234567890")
-    tree = {"logger": {"api_key": "abc", "project": "p"}, "trainer": {"hub_token": None, "pad_token": "<pad>"},
-            "command": ["train.py", "+data.token=xyz", "note=tok-1234567890"]}  # fmt: skip
+    tree = {
+        "logger": {"api_key": "abc", "project": "p"},
+        "trainer": {"hub_token": None, "pad_token": "<pad>"},
+        "command": ["train.py", "+data.token=xyz", "note=tok-1234567890"],
+    }
     assert redaction.redact(tree) == {
         "logger": {"api_key": "<redacted>", "project": "p"},
         "trainer": {"hub_token": None, "pad_token": "<pad>"},

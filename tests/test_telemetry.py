@@ -1,10 +1,11 @@
 """Phase attribution and aggregation on recorded sample streams (the real code, synthetic input)."""
 
+import itertools
 import math
 
 import pytest
 
-from colocated_grpo.telemetry.aggregate import RankReport, label_samples, step_metrics, steady_state
+from colocated_grpo.telemetry.aggregate import RankReport, label_samples, steady_state, step_metrics
 from colocated_grpo.telemetry.nvml import Sample
 from colocated_grpo.telemetry.phases import PhaseTracker, StepPhases
 
@@ -48,11 +49,11 @@ def test_nested_phases_go_to_the_innermost_and_add_up_to_the_step():
     assert sum(d.values()) == pytest.approx(step.duration)
     # segments tile the step without gaps or overlaps
     assert step.segments[0].start == step.start and step.segments[-1].end == step.end
-    assert all(a.end == b.start for a, b in zip(step.segments, step.segments[1:]))
+    assert all(a.end == b.start for a, b in itertools.pairwise(step.segments))
 
 
 def test_sleep_mode_engine_calls_are_timed_as_sleep_wake_inside_generate():
-    """hooks.install wraps the colocated engine's sleep/wake_up only when sleep mode is on; their time leaves generate."""
+    """The phase hooks wrap the colocated engine's sleep/wake_up only in sleep mode; their time leaves generate."""
     from types import SimpleNamespace
 
     from colocated_grpo.compat.trl import install_phase_hooks as install
@@ -76,8 +77,13 @@ def test_sleep_mode_engine_calls_are_timed_as_sleep_wake_inside_generate():
         generation.llm.sleep(level=2)
         return [[1, 2]], [[3, 4, 5]]
 
-    trainer = SimpleNamespace(training_step=advance(0), _prepare_inputs=advance(0), _generate=generate,
-                              _calculate_rewards=advance(0), vllm_generation=generation)  # fmt: skip
+    trainer = SimpleNamespace(
+        training_step=advance(0),
+        _prepare_inputs=advance(0),
+        _generate=generate,
+        _calculate_rewards=advance(0),
+        vllm_generation=generation,
+    )
     tracker, tokens = PhaseTracker(clock=clock), TokenCounter()
     install(trainer, tracker, tokens)
     tracker.begin_step()
@@ -87,8 +93,16 @@ def test_sleep_mode_engine_calls_are_timed_as_sleep_wake_inside_generate():
     assert tokens.reset() == (2, 3)
 
     awake = SimpleNamespace(sleep=llm.sleep, wake_up=llm.wake_up)
-    install(SimpleNamespace(**{**vars(trainer), "vllm_generation": SimpleNamespace(
-        sync_weights=advance(1), llm=awake, enable_sleep_mode=False)}), tracker, tokens)  # fmt: skip
+    install(
+        SimpleNamespace(
+            **{
+                **vars(trainer),
+                "vllm_generation": SimpleNamespace(sync_weights=advance(1), llm=awake, enable_sleep_mode=False),
+            }
+        ),
+        tracker,
+        tokens,
+    )
     assert awake.sleep is llm.sleep  # sleep mode off: the engine is left alone
 
 
@@ -118,7 +132,16 @@ def stream(gpu, start, end, util_by_second, mem=10.0):
     """Samples every 0.5 s; util_by_second maps whole seconds since start to a utilisation."""
     out, t = [], start + 0.25
     while t < end:
-        out.append(Sample(t=t, gpu=gpu, util=util_by_second[int(t - start)], mem_gb=mem + (t - start), power_w=300.0, sm_clock_mhz=1980.0))
+        out.append(
+            Sample(
+                t=t,
+                gpu=gpu,
+                util=util_by_second[int(t - start)],
+                mem_gb=mem + (t - start),
+                power_w=300.0,
+                sm_clock_mhz=1980.0,
+            )
+        )
         t += 0.5
     return out
 

@@ -41,5 +41,7 @@ def test_cuda_visible_devices_is_matched_by_uuid():
     want = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(1))
     code = "from colocated_grpo.telemetry.nvml import cuda_device_uuid; print(cuda_device_uuid(0))"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
-    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    got = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert got == (want.decode() if isinstance(want, bytes) else want)

@@ -45,8 +45,12 @@ def test_qwen_colocate_is_what_it_says():
     assert set(cfg.reward.weights) == {"math_accuracy", "boxed_format"}
     t = cfg.trainer
     assert (t.use_vllm, t.vllm_mode, t.vllm_tensor_parallel_size, t.vllm_gpu_memory_utilization, t.bf16) == (
-        True, "colocate", 1, 0.3, True
-    )  # fmt: skip
+        True,
+        "colocate",
+        1,
+        0.3,
+        True,
+    )
     assert compose_train("+experiment=qwen_colocate_sleep").trainer.vllm_enable_sleep_mode is True
     assert compose_train("+experiment=qwen_hf").trainer.use_vllm is False
 
@@ -64,8 +68,11 @@ def _fails(match, *overrides, world=None):
 
 
 def test_tp_must_divide_world_size():
-    _fails(r"trainer.vllm_tensor_parallel_size=2 must divide the world size 3.*use one of \[1, 3\]",
-           "trainer.vllm_tensor_parallel_size=2", world=3)  # fmt: skip
+    _fails(
+        r"trainer.vllm_tensor_parallel_size=2 must divide the world size 3.*use one of \[1, 3\]",
+        "trainer.vllm_tensor_parallel_size=2",
+        world=3,
+    )
 
 
 def test_tp_must_divide_attention_and_kv_heads():
@@ -80,7 +87,9 @@ def test_tp_must_divide_attention_and_kv_heads():
 
 @pytest.mark.parametrize("mem", [0, 1, 1.5, -0.1])
 def test_gpu_memory_utilization_strictly_between_0_and_1(mem):
-    _fails(r"trainer.vllm_gpu_memory_utilization=.* strictly between 0 and 1", f"trainer.vllm_gpu_memory_utilization={mem}")
+    _fails(
+        r"trainer.vllm_gpu_memory_utilization=.* strictly between 0 and 1", f"trainer.vllm_gpu_memory_utilization={mem}"
+    )
 
 
 def test_num_generations_must_divide_generation_batch():
@@ -88,12 +97,15 @@ def test_num_generations_must_divide_generation_batch():
 
 
 def test_unknown_reward_lists_registered_ones():
-    _fails(r"unknown reward 'accuracy'; registered: \[.*'exact_answer'.*'math_accuracy'",
-           "+reward.weights.accuracy=1.0")  # fmt: skip
+    _fails(
+        r"unknown reward 'accuracy'; registered: \[.*'exact_answer'.*'math_accuracy'", "+reward.weights.accuracy=1.0"
+    )
 
 
 def test_missing_local_model_path(tmp_path):
-    _fails(r"model.name_or_path='.*/nope': no model directory there", "model=local", f"model.name_or_path={tmp_path}/nope")
+    _fails(
+        r"model.name_or_path='.*/nope': no model directory there", "model=local", f"model.name_or_path={tmp_path}/nope"
+    )
 
 
 def test_unknown_trainer_key_is_not_a_grpo_field():
@@ -122,8 +134,9 @@ def test_none_placement_skips_vllm_checks():
 def test_fixed_completion_length_maps_to_each_backends_own_kwargs():
     cfg = compose_train("+experiment=gpu_smoke", "trainer.bf16=false", "trainer.max_completion_length=96")
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"min_tokens": 96, "ignore_eos": True}
-    cfg = compose_train("+experiment=gpu_smoke", "vllm=none", "trainer.bf16=false",
-                        "+trainer.generation_kwargs={min_new_tokens: 8}")  # fmt: skip
+    cfg = compose_train(
+        "+experiment=gpu_smoke", "vllm=none", "trainer.bf16=false", "+trainer.generation_kwargs={min_new_tokens: 8}"
+    )
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"min_new_tokens": 8}, "the user's own kwargs win"
     cfg = compose_train("+experiment=gpu_smoke", "trainer.bf16=false", "run.fixed_completion_length=false")
     assert grpo_config(cfg, "unused", []).generation_kwargs is None

@@ -39,7 +39,9 @@ def test_tiny_tokenizer_round_trips_and_has_chat_template(tmp_path):
     tok = AutoTokenizer.from_pretrained(models.build("tiny", tmp_path / "tiny"))
     text = "What is 12 + 30? \\boxed{42} ünïcode"
     assert tok.decode(tok.encode(text)) == text
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 1 + 1?"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 1 + 1?"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
 

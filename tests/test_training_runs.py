@@ -5,7 +5,6 @@ import json
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def default_run(train):
     return train()
@@ -15,7 +14,13 @@ def test_default_run_trains_three_steps_and_writes_run_files(default_run):
     metrics = default_run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
-        assert {"loss", "reward", "rewards/exact_answer/mean", "rewards/boxed_format/mean", "rewards/length/mean"} <= set(m)
+        assert {
+            "loss",
+            "reward",
+            "rewards/exact_answer/mean",
+            "rewards/boxed_format/mean",
+            "rewards/length/mean",
+        } <= set(m)
         assert 0.0 <= m["rewards/length/mean"] <= 1.0
     run = json.loads((default_run.dir / "run.json").read_text())
     assert run["status"] == "finished" and run["placement"] == "colocate" and run["world_size"] == 1
@@ -49,8 +54,15 @@ def test_default_run_mirrors_metrics_to_wandb_offline(default_run):
     runs = list((default_run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "exactly one offline W&B run inside the run directory"
     blob = runs[0].read_bytes()
-    for key in (b"train/rewards/exact_answer/mean", b"train/loss", b"train/global_step", b"versions", b"trl",
-                b"timing_s/generate", b"perf/tokens_per_s_per_gpu"):
+    for key in (
+        b"train/rewards/exact_answer/mean",
+        b"train/loss",
+        b"train/global_step",
+        b"versions",
+        b"trl",
+        b"timing_s/generate",
+        b"perf/tokens_per_s_per_gpu",
+    ):
         assert key in blob, key
 
 
@@ -65,8 +77,13 @@ def test_weight_sync_reaches_the_colocated_engine(train):
 
 
 def test_torchrun_two_ranks_with_tensor_parallel_two(train):
-    run = train("trainer.vllm_tensor_parallel_size=2", "trainer.per_device_train_batch_size=2", "trainer.max_steps=2",
-                "parallelism.nproc_per_node=2", nproc=2)  # fmt: skip
+    run = train(
+        "trainer.vllm_tensor_parallel_size=2",
+        "trainer.per_device_train_batch_size=2",
+        "trainer.max_steps=2",
+        "parallelism.nproc_per_node=2",
+        nproc=2,
+    )
     metrics = run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2]
     assert json.loads((run.dir / "run.json").read_text())["world_size"] == 2
@@ -78,9 +95,17 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(train):
 def test_fsdp_two_ranks_sync_sharded_weights_to_the_engine(train):
     """parallelism=fsdp (FSDP2): TRL gathers the sharded weights for every sync; with a policy that moves each
     step, vLLM's log-probs only keep matching the trainer's if the gathered weights are right."""
-    run = train("parallelism=fsdp", "parallelism.nproc_per_node=2", "trainer.per_device_train_batch_size=4",
-                "trainer.max_steps=4", "trainer.learning_rate=0.02", "reward=length", "+reward.params.length.target=16",
-                "logger=none", nproc=2)  # fmt: skip
+    run = train(
+        "parallelism=fsdp",
+        "parallelism.nproc_per_node=2",
+        "trainer.per_device_train_batch_size=4",
+        "trainer.max_steps=4",
+        "trainer.learning_rate=0.02",
+        "reward=length",
+        "+reward.params.length.target=16",
+        "logger=none",
+        nproc=2,
+    )
     metrics = run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2, 3, 4]
     assert "fsdp: full_shard auto_wrap" in (run.dir / "config.yaml").read_text()

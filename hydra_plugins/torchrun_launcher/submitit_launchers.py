@@ -32,8 +32,16 @@ if BaseSubmititLauncher is not None:
             from colocated_grpo.launch import sweep_slurm
 
             opts, params = Options.split(self.params)
-            return sweep_slurm.launch_submitit(self._EXECUTOR, params, self.hydra_context, self.config, self.task_function,
-                                         job_overrides, initial_job_idx, opts)  # fmt: skip
+            return sweep_slurm.launch_submitit(
+                self._EXECUTOR,
+                params,
+                self.hydra_context,
+                self.config,
+                self.task_function,
+                job_overrides,
+                initial_job_idx,
+                opts,
+            )
 
     class TorchrunSlurmLauncher(_TorchrunSubmititLauncher):
         _EXECUTOR = "slurm"

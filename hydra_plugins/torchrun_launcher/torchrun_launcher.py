@@ -31,5 +31,6 @@ class TorchrunLauncher(Launcher):
     def launch(self, job_overrides, initial_job_idx):
         from colocated_grpo.launch import sweep_local
 
-        return sweep_local.launch_local(self.hydra_context, self.config, self.task_function, job_overrides, initial_job_idx,
-                                  self.options)  # fmt: skip
+        return sweep_local.launch_local(
+            self.hydra_context, self.config, self.task_function, job_overrides, initial_job_idx, self.options
+        )

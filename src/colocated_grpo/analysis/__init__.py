@@ -1,10 +1,10 @@
 """Runs and sweeps as tables, frames and figures (pandas, matplotlib), for notebooks and the render command.
 
-    tables     one row per run or sweep job: placement beside steady-state numbers; the sweep summary
-    frames     one run's steps, GPU samples and phase intervals
-    wandb_api  the same, from the W&B API
-    plots      the figures (needs the `notebooks` extra: matplotlib)
-    notebook   run a notebook headless with parameters
+tables     one row per run or sweep job: placement beside steady-state numbers; the sweep summary
+frames     one run's steps, GPU samples and phase intervals
+wandb_api  the same, from the W&B API
+plots      the figures (needs the `notebooks` extra: matplotlib)
+notebook   run a notebook headless with parameters
 """
 
 from colocated_grpo.analysis.frames import load_gpu_samples, load_phases, load_run, newest_dir
@@ -12,6 +12,15 @@ from colocated_grpo.analysis.tables import load_jobs, load_sweep, missing, print
 from colocated_grpo.analysis.wandb_api import load_wandb_run, load_wandb_sweep
 
 __all__ = [
-    "load_gpu_samples", "load_jobs", "load_phases", "load_run", "load_sweep", "load_wandb_run", "load_wandb_sweep",
-    "missing", "newest_dir", "print_summary", "write_summary",
+    "load_gpu_samples",
+    "load_jobs",
+    "load_phases",
+    "load_run",
+    "load_sweep",
+    "load_wandb_run",
+    "load_wandb_sweep",
+    "missing",
+    "newest_dir",
+    "print_summary",
+    "write_summary",
 ]

@@ -14,8 +14,10 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["render"]:
-        parser = argparse.ArgumentParser(prog="python -m colocated_grpo.analysis render",
-                                         description="Write the figures of a sweep or a run directory as PNGs.")  # fmt: skip
+        parser = argparse.ArgumentParser(
+            prog="python -m colocated_grpo.analysis render",
+            description="Write the figures of a sweep or a run directory as PNGs.",
+        )
         parser.add_argument("dir", help="a sweep directory (job directories inside) or a run directory")
         parser.add_argument("--out", help="where to write the PNGs (default: DIR/figures)")
         args = parser.parse_args(argv[1:])
@@ -25,8 +27,10 @@ def main(argv: list[str] | None = None) -> None:
             print(path)
         return
     if len(argv) != 1 or argv[0].startswith("-"):
-        sys.exit("usage: python -m colocated_grpo.analysis SWEEP_DIR\n"
-                 "       python -m colocated_grpo.analysis render SWEEP_OR_RUN_DIR [--out DIR]")  # fmt: skip
+        sys.exit(
+            "usage: python -m colocated_grpo.analysis SWEEP_DIR\n"
+            "       python -m colocated_grpo.analysis render SWEEP_OR_RUN_DIR [--out DIR]"
+        )
     rows = load_jobs(argv[0])
     print_summary(argv[0], rows=rows)
     print(f"summary: {write_summary(argv[0], rows)}")

@@ -66,8 +66,12 @@ def merge_phases(phases):
     if phases.empty:
         return phases.reset_index(drop=True)
     p = phases.sort_values(["rank", "start"], kind="stable").reset_index(drop=True)
-    same = ((p["rank"] == p["rank"].shift()) & (p["phase"] == p["phase"].shift())
-            & (p[STEP_KEY] == p[STEP_KEY].shift()) & (p["start"] <= p["end"].shift()))  # fmt: skip
+    same = (
+        (p["rank"] == p["rank"].shift())
+        & (p["phase"] == p["phase"].shift())
+        & (p[STEP_KEY] == p[STEP_KEY].shift())
+        & (p["start"] <= p["end"].shift())
+    )
     merged = p.groupby((~same).cumsum(), sort=False).agg(
         {STEP_KEY: "first", "rank": "first", "phase": "first", "start": "min", "end": "max"}
     )
@@ -90,7 +94,14 @@ def phases_from_samples(samples):
         for i in range(1, len(t) + 1):
             if i == len(t) or key[i] != key[start]:
                 end = t[i] if i < len(t) else t[i - 1] + interval
-                rows.append({STEP_KEY: key[start][0], "rank": rank, "phase": key[start][1],
-                             "start": float(t[start]), "end": float(end)})  # fmt: skip
+                rows.append(
+                    {
+                        STEP_KEY: key[start][0],
+                        "rank": rank,
+                        "phase": key[start][1],
+                        "start": float(t[start]),
+                        "end": float(end),
+                    }
+                )
                 start = i
     return pd.DataFrame(rows, columns=list(PHASE_COLUMNS))

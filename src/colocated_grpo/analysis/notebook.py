@@ -30,8 +30,13 @@ def with_parameters(nb, parameters: dict):
     return nb
 
 
-def execute(notebook: str | Path, parameters: dict | None = None, output: str | Path | None = None,
-            cwd: str | Path | None = None, timeout: int = 600):  # fmt: skip
+def execute(
+    notebook: str | Path,
+    parameters: dict | None = None,
+    output: str | Path | None = None,
+    cwd: str | Path | None = None,
+    timeout: int = 600,
+):
     """Run every cell of `notebook` (.py or .ipynb) in a fresh Python kernel; returns the executed notebook, also
     written to `output` when given. A cell that raises raises here (nbclient.exceptions.CellExecutionError)."""
     import jupytext
@@ -39,8 +44,9 @@ def execute(notebook: str | Path, parameters: dict | None = None, output: str | 
     from nbclient import NotebookClient
 
     nb = with_parameters(jupytext.read(notebook), parameters or {})
-    client = NotebookClient(nb, kernel_name="python3", timeout=timeout,
-                            resources={"metadata": {"path": str(cwd or os.getcwd())}})  # fmt: skip
+    client = NotebookClient(
+        nb, kernel_name="python3", timeout=timeout, resources={"metadata": {"path": str(cwd or os.getcwd())}}
+    )
     try:
         client.execute()
     finally:
@@ -51,7 +57,7 @@ def execute(notebook: str | Path, parameters: dict | None = None, output: str | 
 
 
 def parse_parameter(text: str) -> tuple[str, object]:
-    """"name=value" → (name, the value as a Python literal, or the string when it is none)."""
+    """ "name=value" → (name, the value as a Python literal, or the string when it is none)."""
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"{text!r}: parameters are NAME=VALUE")
@@ -62,7 +68,9 @@ def parse_parameter(text: str) -> tuple[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m colocated_grpo.analysis.notebook", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m colocated_grpo.analysis.notebook", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("notebook", help="notebooks/sweep.py, notebooks/run.py (or their .ipynb)")
     parser.add_argument("parameters", nargs="*", type=parse_parameter, help="NAME=VALUE, e.g. sweep_dir=sweeps/…")
     parser.add_argument("-o", "--output", help="the executed notebook (default: NAME.executed.ipynb here)")

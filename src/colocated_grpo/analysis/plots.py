@@ -30,8 +30,14 @@ from colocated_grpo.analysis import frames, tables
 from colocated_grpo.run_files import STEP_KEY
 from colocated_grpo.telemetry.phases import PHASES
 
-PHASE_COLORS = {"generate": "#4C72B0", "sync_weights": "#8172B3", "sleep_wake": "#C44E52", "reward": "#55A868",
-                "train": "#DD8452", "other": "#B0B0B0"}  # fmt: skip
+PHASE_COLORS = {
+    "generate": "#4C72B0",
+    "sync_weights": "#8172B3",
+    "sleep_wake": "#C44E52",
+    "reward": "#55A868",
+    "train": "#DD8452",
+    "other": "#B0B0B0",
+}
 COLOCATED = ("colocate", "colocate_sleep")
 TP, MEMORY = "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"
 FAIRNESS_NOTE = (
@@ -44,8 +50,7 @@ NO_NVML = "no GPU samples (no NVML)"
 # ------------------------------------------------------------------------------------------------------- sweep
 
 
-def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu",
-                       higher_is_better: bool | None = None) -> Figure:  # fmt: skip
+def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu", higher_is_better: bool | None = None) -> Figure:
     """`metric` of the finished colocated jobs over vLLM TP (rows) × gpu_memory_utilization (columns); the mean
     where several jobs share a cell, the best cell framed (the highest, or the lowest for times and memory unless
     `higher_is_better` says). Cells without a number say why (skipped, failed, no data); cells with no job stay
@@ -99,8 +104,9 @@ def step_breakdown(jobs) -> Figure:
         _note(ax, "no job with step timings in this sweep")
         return fig
     _stack_phases(ax, list(range(len(done))), done, horizontal=True)
-    labels = [_job_label(row) + ("" if row["status"] == "finished" else f" ({row['status']})")
-              for _, row in done.iterrows()]  # fmt: skip
+    labels = [
+        _job_label(row) + ("" if row["status"] == "finished" else f" ({row['status']})") for _, row in done.iterrows()
+    ]
     ax.set_yticks(range(len(done)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step (steady state)")
@@ -157,15 +163,22 @@ def colocate_vs_server(jobs) -> Figure:
     if server.empty or colocated.empty:
         missing = "server" if server.empty else "colocated"
         ax.set_title("best job per placement")
-        text.text(0, 1, f"no {missing} jobs in this sweep: no colocate-vs-server speed-up to show.\n" + FAIRNESS_NOTE,
-                  va="top", fontsize=8)  # fmt: skip
+        text.text(
+            0,
+            1,
+            f"no {missing} jobs in this sweep: no colocate-vs-server speed-up to show.\n" + FAIRNESS_NOTE,
+            va="top",
+            fontsize=8,
+        )
         return fig
     c = colocated.loc[colocated["perf/tokens_per_s_per_gpu"].idxmax()]
     s = server.iloc[0]
     c_train = per_train[c.name]
     s_train = per_train[s.name]
-    ax.set_title(f"{c['placement']} vs server: {c['perf/tokens_per_s_per_gpu'] / s['perf/tokens_per_s_per_gpu']:.2f}× "
-                 f"per GPU used, {c_train / s_train:.2f}× per training GPU")  # fmt: skip
+    ax.set_title(
+        f"{c['placement']} vs server: {c['perf/tokens_per_s_per_gpu'] / s['perf/tokens_per_s_per_gpu']:.2f}× "
+        f"per GPU used, {c_train / s_train:.2f}× per training GPU"
+    )
     text.text(0, 1, FAIRNESS_NOTE, va="top", fontsize=8)
     return fig
 
@@ -188,8 +201,12 @@ def study_figure(table) -> Figure:
     GPU used with the speed-up over the study's baseline."""
     models = list(dict.fromkeys(table["model"]))
     fig = Figure(figsize=(13.0, 1.2 + 0.42 * len(table)), layout="constrained")
-    axes = fig.subplots(max(1, len(models)), 2, squeeze=False,
-                        height_ratios=[max(1, (table["model"] == m).sum()) for m in models] or [1])  # fmt: skip
+    axes = fig.subplots(
+        max(1, len(models)),
+        2,
+        squeeze=False,
+        height_ratios=[max(1, (table["model"] == m).sum()) for m in models] or [1],
+    )
     for (left, right), model in zip(axes, models, strict=False):
         cases = table[table["model"] == model].reset_index(drop=True)
         done = cases[cases["step_s"].notna()].reset_index(drop=True)
@@ -205,8 +222,9 @@ def study_figure(table) -> Figure:
         left.set_xlabel("seconds per step (steady state)")
         left.set_title(f"{model}: step time by phase", fontsize=10)
         right.barh(positions, done["tokens_per_s_per_gpu"], 0.6, color="#4C72B0")
-        for position, (rate, speedup) in enumerate(zip(done["tokens_per_s_per_gpu"], done["speedup_vs_baseline"],
-                                                        strict=True)):  # fmt: skip
+        for position, (rate, speedup) in enumerate(
+            zip(done["tokens_per_s_per_gpu"], done["speedup_vs_baseline"], strict=True)
+        ):
             label = f"{rate:,.0f}" + ("" if tables.missing(speedup) else f"  ({speedup:.2f}×)")
             right.annotate(label, (rate, position), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
         right.set_yticks(positions, [""] * len(positions))
@@ -225,8 +243,9 @@ def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figur
     if steps is not None:
         samples = samples[samples[STEP_KEY].between(*steps)]
         phases = phases[phases[STEP_KEY].between(*steps)]
-    origin = min([frame[column].min() for frame, column in ((samples, "t"), (phases, "start")) if len(frame)],
-                 default=0.0)  # fmt: skip
+    origin = min(
+        [frame[column].min() for frame, column in ((samples, "t"), (phases, "start")) if len(frame)], default=0.0
+    )
     rows = _gpu_order(samples["gpu"].unique()) if len(samples) else sorted(phases["rank"].unique())
     fig = Figure(figsize=(11.0, 1.0 + 1.8 * max(1, len(rows))), layout="constrained")
     if not rows:
@@ -255,12 +274,21 @@ def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figur
             for i, (step, start) in enumerate(starts.items()):
                 ax.axvline(start, color="#444444", linewidth=0.6, alpha=0.6)
                 if ax is axes[0] and i % every == 0:
-                    ax.annotate(str(step), (start, 1), xycoords=("data", "axes fraction"), fontsize=7,
-                                xytext=(2, 2), textcoords="offset points", va="bottom")  # fmt: skip
+                    ax.annotate(
+                        str(step),
+                        (start, 1),
+                        xycoords=("data", "axes fraction"),
+                        fontsize=7,
+                        xytext=(2, 2),
+                        textcoords="offset points",
+                        va="bottom",
+                    )
     handles = [Patch(color=PHASE_COLORS[p], alpha=0.5, label=p) for p in PHASES if p in set(phases.get("phase", []))]
     if len(samples):
-        handles += [axes[0].plot([], [], color="black", label="util %")[0],
-                    axes[0].plot([], [], color="#C44E52", linestyle="--", label="memory GB")[0]]  # fmt: skip
+        handles += [
+            axes[0].plot([], [], color="black", label="util %")[0],
+            axes[0].plot([], [], color="#C44E52", linestyle="--", label="memory GB")[0],
+        ]
         title = "GPU utilisation per GPU, phases shaded (step numbers on top)"
     else:
         title = f"{NO_NVML}: the phases of each rank (step numbers on top)"
@@ -292,8 +320,9 @@ def training_curves(metrics) -> Figure:
     if "completions/mean_length" in metrics:
         length_ax.plot(step, metrics["completions/mean_length"], marker="o", label="mean")
         if {"completions/min_length", "completions/max_length"} <= set(metrics.columns):
-            length_ax.fill_between(step, metrics["completions/min_length"], metrics["completions/max_length"],
-                                   alpha=0.2, label="min–max")  # fmt: skip
+            length_ax.fill_between(
+                step, metrics["completions/min_length"], metrics["completions/max_length"], alpha=0.2, label="min–max"
+            )
         length_ax.legend(fontsize=8)
     else:
         _note(length_ax, "no completion lengths logged")
@@ -391,8 +420,15 @@ def _stack_phases(ax, positions: list, frame, horizontal: bool) -> None:
         bar(positions, unsplit, 0.6, color="#DDDDDD", hatch="//", label="step (no phase timings)")
     for position, value in zip(positions, total, strict=True):
         xy = (value, position) if horizontal else (position, value)
-        ax.annotate(f"{value:.3g} s", xy, xytext=(3, 0) if horizontal else (0, 3), textcoords="offset points",
-                    va="center" if horizontal else "bottom", ha="left" if horizontal else "center", fontsize=8)  # fmt: skip
+        ax.annotate(
+            f"{value:.3g} s",
+            xy,
+            xytext=(3, 0) if horizontal else (0, 3),
+            textcoords="offset points",
+            va="center" if horizontal else "bottom",
+            ha="left" if horizontal else "center",
+            fontsize=8,
+        )
     ax.margins(x=0.12) if horizontal else ax.margins(y=0.12)
     ax.legend(fontsize=8, loc="best")
 
@@ -401,14 +437,18 @@ def _shade_phases(ax, phases, origin: float, height: float) -> None:
     for phase in PHASES:
         spans = phases[phases["phase"] == phase]
         if len(spans):
-            ax.broken_barh(list(zip(spans["start"] - origin, spans["end"] - spans["start"], strict=True)),
-                           (0, height), facecolors=PHASE_COLORS[phase], alpha=0.35, linewidth=0)  # fmt: skip
+            ax.broken_barh(
+                list(zip(spans["start"] - origin, spans["end"] - spans["start"], strict=True)),
+                (0, height),
+                facecolors=PHASE_COLORS[phase],
+                alpha=0.35,
+                linewidth=0,
+            )
 
 
 def _note(ax, text: str) -> None:
     """A message in place of a plot."""
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#555555",
-            wrap=True)  # fmt: skip
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#555555", wrap=True)
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -425,8 +465,12 @@ def _fmt(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
-_SHORT = {"vllm_tensor_parallel_size": "TP", "vllm_gpu_memory_utilization": "mem", "per_device_train_batch_size": "bs",
-          "nproc_per_node": "nproc"}  # fmt: skip
+_SHORT = {
+    "vllm_tensor_parallel_size": "TP",
+    "vllm_gpu_memory_utilization": "mem",
+    "per_device_train_batch_size": "bs",
+    "nproc_per_node": "nproc",
+}
 
 
 def _job_label(row) -> str:
@@ -456,4 +500,3 @@ def _gpu_order(labels) -> list[str]:
 def _placement_order(placement) -> int:
     order = ("colocate", "colocate_sleep", "server", "none")
     return order.index(placement) if placement in order else len(order)
-

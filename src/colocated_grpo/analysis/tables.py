@@ -27,26 +27,58 @@ from colocated_grpo.run_files import STEP_KEY, flatten, read_json, read_jsonl
 
 # Steady-state means that a run's summary.json holds (telemetry), in the metric names of the W&B run.
 SUMMARY_KEYS = (
-    "timing_s/step", "timing_s/generate", "timing_s/sync_weights", "timing_s/sleep_wake", "timing_s/reward",
-    "timing_s/train", "timing_s/other", "perf/tokens_per_s", "perf/tokens_per_s_per_gpu",
-    "perf/tokens_per_s_per_train_gpu", "perf/gen_tokens_per_s",
-    "gpu/util_generate", "gpu/util_sync_weights", "gpu/util_reward", "gpu/util_train",
-    "memory/peak_gb", "vllm/kv_cache_tokens",
-)  # fmt: skip
+    "timing_s/step",
+    "timing_s/generate",
+    "timing_s/sync_weights",
+    "timing_s/sleep_wake",
+    "timing_s/reward",
+    "timing_s/train",
+    "timing_s/other",
+    "perf/tokens_per_s",
+    "perf/tokens_per_s_per_gpu",
+    "perf/tokens_per_s_per_train_gpu",
+    "perf/gen_tokens_per_s",
+    "gpu/util_generate",
+    "gpu/util_sync_weights",
+    "gpu/util_reward",
+    "gpu/util_train",
+    "memory/peak_gb",
+    "vllm/kv_cache_tokens",
+)
 
 # Where a job ran: placement name, trainer processes, GPUs used (a vLLM server's included), and vLLM's TP size and
 # memory fraction (the server's own for server placement; empty without vLLM).
 PLACEMENT_KEYS = ("placement", "world_size", "gpus", "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization")
 
 # Columns of a sweep summary, in order; the printed table shows the short names.
-COLUMNS = ("job", "overrides", "status", "exit_code", *PLACEMENT_KEYS, *SUMMARY_KEYS, "reward", "steps", "source",
-           "note", "dir")  # fmt: skip
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "exit_code",
+    *PLACEMENT_KEYS,
+    *SUMMARY_KEYS,
+    "reward",
+    "steps",
+    "source",
+    "note",
+    "dir",
+)
 TABLE = {
-    "job": "#", "overrides": "overrides", "status": "status", "timing_s/step": "step s",
-    "perf/tokens_per_s_per_gpu": "tok/s/GPU", "gpu/util_generate": "util gen", "gpu/util_sync_weights": "util sync",
-    "gpu/util_reward": "util rew", "gpu/util_train": "util train", "memory/peak_gb": "peak GB", "reward": "reward",
+    "job": "#",
+    "overrides": "overrides",
+    "status": "status",
+    "timing_s/step": "step s",
+    "perf/tokens_per_s_per_gpu": "tok/s/GPU",
+    "gpu/util_generate": "util gen",
+    "gpu/util_sync_weights": "util sync",
+    "gpu/util_reward": "util rew",
+    "gpu/util_train": "util train",
+    "memory/peak_gb": "peak GB",
+    "reward": "reward",
     "note": "note",
-}  # fmt: skip
+}
+
 
 def run_summary(run_dir: str | Path) -> dict:
     """Steady-state numbers of one run: summary.json's where it has them, else derived from metrics.jsonl.
@@ -93,10 +125,12 @@ def placement_settings(get: Callable[[str], object], world_size: int | None = No
     else:
         tp = memory = None
     return {
-        "placement": name, "world_size": world, "gpus": world + server_gpus,
+        "placement": name,
+        "world_size": world,
+        "gpus": world + server_gpus,
         "vllm_tensor_parallel_size": None if tp is None else int(tp),
         "vllm_gpu_memory_utilization": _number(memory),
-    }  # fmt: skip
+    }
 
 
 def run_placement(run_dir: str | Path) -> dict:

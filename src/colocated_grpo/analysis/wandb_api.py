@@ -6,6 +6,7 @@ from __future__ import annotations
 from colocated_grpo.analysis.tables import COLUMNS, _numeric, _select, placement_settings, summary_row
 from colocated_grpo.run_files import STEP_KEY
 
+
 def load_wandb_run(path: str, api=None):
     """The metrics of a W&B run ("entity/project/run_id") as load_run frames them: one row per `train/global_step`,
     TRL's `train/` prefix removed (`train/reward` → `reward`). Needs network and W&B credentials."""
@@ -38,11 +39,16 @@ def load_wandb_sweep(project: str, group: str | None = None, api=None):
         cfg = config.get("cfg") or {}
         summary = {k: v for k, v in run.summary_metrics.items() if not k.startswith("_")}
         row = {
-            "job": None, "overrides": run.name, "status": run.state, "exit_code": None,
+            "job": None,
+            "overrides": run.name,
+            "status": run.state,
+            "exit_code": None,
             **placement_settings(lambda key, cfg=cfg: _select(cfg, key), config.get("world_size")),
             **summary_row(summary, []),
-            "source": "wandb", "note": None, "dir": "/".join(run.path),
-        }  # fmt: skip
+            "source": "wandb",
+            "note": None,
+            "dir": "/".join(run.path),
+        }
         rows.append({key: row.get(key) for key in COLUMNS})
     return _numeric(pd.DataFrame(rows, columns=list(COLUMNS)))
 

@@ -3,7 +3,8 @@ interleaved, and compares TRL's own steady-state `step_time` (logged in both). A
 costs inside the telemetry runs: the callback's work and the CUDA synchronisations at phase edges per step, and
 the NVML sampler thread's read time.
 
-    python -m colocated_grpo.bench.telemetry_overhead --nproc 1 --repeats 2 -- +experiment=gpu_smoke trainer.max_steps=10
+    python -m colocated_grpo.bench.telemetry_overhead --nproc 1 --repeats 2 -- \
+        +experiment=gpu_smoke trainer.max_steps=10
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from colocated_grpo.launch import processes
 from colocated_grpo.launch.processes import train_command
 from colocated_grpo.run_files import STEP_KEY, read_jsonl
 
+
 def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
     run_dir = out / name
-    cmd = train_command(nproc, [*overrides, f"parallelism.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", "logger=none"])
+    cmd = train_command(
+        nproc, [*overrides, f"parallelism.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", "logger=none"]
+    )
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     (run_dir / "launch.log").unlink(missing_ok=True)
     rc = processes.run(cmd, run_dir / "launch.log")  # Ctrl-C stops torchrun, its workers and vLLM's processes too
@@ -42,17 +46,25 @@ def main(argv=None) -> None:
     direct = []
     for i in range(args.repeats):
         for mode in ("on", "off"):
-            metrics = run_once(args.out, f"{mode}_{i}", args.nproc,
-                               [*args.overrides, f"telemetry={'default' if mode == 'on' else 'off'}"])  # fmt: skip
+            metrics = run_once(
+                args.out,
+                f"{mode}_{i}",
+                args.nproc,
+                [*args.overrides, f"telemetry={'default' if mode == 'on' else 'off'}"],
+            )
             rows = [m for m in metrics if m[STEP_KEY] > args.warmup]
             if not rows:
                 sys.exit(f"no steps after {args.warmup} warm-up steps: raise trainer.max_steps")
             steady[mode] += [m["step_time"] for m in rows]
             if mode == "on":
                 direct += [
-                    (m.get("telemetry/callback_s", 0) + m.get("telemetry/barrier_s", 0), m.get("telemetry/sampler_s", 0), m["step_time"])
+                    (
+                        m.get("telemetry/callback_s", 0) + m.get("telemetry/barrier_s", 0),
+                        m.get("telemetry/sampler_s", 0),
+                        m["step_time"],
+                    )
                     for m in rows
-                ]  # fmt: skip
+                ]
 
     on, off = statistics.median(steady["on"]), statistics.median(steady["off"])
     in_step = statistics.mean(c / s for c, _, s in direct)

@@ -30,23 +30,42 @@ def main(argv=None) -> None:
     parser.add_argument("--mem", type=float, default=0.3, help="gpu_memory_utilization")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engine", choices=("default", "trl"), default="default",
-                        help="vLLM's default engine, or one built like TRL's colocated engine (see above)")  # fmt: skip
+    parser.add_argument(
+        "--engine",
+        choices=("default", "trl"),
+        default="default",
+        help="vLLM's default engine, or one built like TRL's colocated engine (see above)",
+    )
     parser.add_argument("--json", help="also write the settings and each repeat's tokens/s to this file")
     args = parser.parse_args(argv)
     if args.engine == "trl" and args.tp > 1 and "WORLD_SIZE" not in os.environ:
-        parser.error(f"--engine trl with --tp {args.tp} needs one process per GPU: torchrun --nproc_per_node={args.tp} "
-                     "-m colocated_grpo.bench.vllm_generate …")  # fmt: skip
+        parser.error(
+            f"--engine trl with --tp {args.tp} needs one process per GPU: torchrun --nproc_per_node={args.tp} "
+            "-m colocated_grpo.bench.vllm_generate …"
+        )
 
     from vllm import LLM, SamplingParams
 
     path = resolve_model(args.model)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(model=path, gpu_memory_utilization=args.mem, tensor_parallel_size=args.tp,
-              max_model_len=args.prompt_tokens + args.completion + 8, seed=0, **engine_kwargs(args.engine))  # fmt: skip
-    params = SamplingParams(temperature=1.0, max_tokens=args.completion, min_tokens=args.completion, ignore_eos=True,
-                            logprobs=0 if args.engine == "trl" else None)  # fmt: skip
-    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(args.prompt_tokens)]} for i in range(args.prompts)]
+    llm = LLM(
+        model=path,
+        gpu_memory_utilization=args.mem,
+        tensor_parallel_size=args.tp,
+        max_model_len=args.prompt_tokens + args.completion + 8,
+        seed=0,
+        **engine_kwargs(args.engine),
+    )
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=args.completion,
+        min_tokens=args.completion,
+        ignore_eos=True,
+        logprobs=0 if args.engine == "trl" else None,
+    )
+    prompts = [
+        {"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(args.prompt_tokens)]} for i in range(args.prompts)
+    ]
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     rates = []
     for r in range(args.repeats):
@@ -55,12 +74,17 @@ def main(argv=None) -> None:
         seconds = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rates.append(tokens / seconds)
-        print(f"repeat {r}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:,.0f} tokens/s "
-              f"({args.prompts} × {args.completion}, mem {args.mem}, TP {args.tp})", flush=True)  # fmt: skip
+        print(
+            f"repeat {r}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:,.0f} tokens/s "
+            f"({args.prompts} × {args.completion}, mem {args.mem}, TP {args.tp})",
+            flush=True,
+        )
     if args.json:
         from colocated_grpo.run_files import write_json
 
-        settings = {k: getattr(args, k) for k in ("model", "prompts", "prompt_tokens", "completion", "mem", "tp", "engine")}
+        settings = {
+            k: getattr(args, k) for k in ("model", "prompts", "prompt_tokens", "completion", "mem", "tp", "engine")
+        }
         import psutil
 
         # vLLM's default engine runs in processes of its own; TRL's colocated one in this process (none)
@@ -75,7 +99,9 @@ def engine_kwargs(engine: str) -> dict:
     if "WORLD_SIZE" not in os.environ:  # one process of its own: the rendezvous external_launcher expects
         from colocated_grpo.launch.processes import free_port
 
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     return dict(trl_internals.COLOCATE_ENGINE_KWARGS)
 
 

@@ -40,16 +40,31 @@ def train_command(nproc: int, overrides: list[str], script: Path = TRAIN_SCRIPT)
     return torchrun_command(nproc, overrides, script)
 
 
-def torchrun_command(nproc: int, args: list[str], script: str | Path = TRAIN_SCRIPT, master_port: int | None = None,
-                     nnodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                     extra_args: Sequence[str] = ()) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    args: list[str],
+    script: str | Path = TRAIN_SCRIPT,
+    master_port: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+) -> list[str]:
     """`torchrun` (as `python -m torch.distributed.run`, this interpreter) of `script args…` on `nproc` processes
     per node; a free rendezvous port unless `master_port` is given."""
     port = free_port() if master_port is None else master_port
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
-        f"--nproc_per_node={nproc}", f"--master_addr={master_addr}", f"--master_port={port}", *extra_args,
-        str(script), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={nproc}",
+        f"--master_addr={master_addr}",
+        f"--master_port={port}",
+        *extra_args,
+        str(script),
+        *args,
     ]
 
 
@@ -57,12 +72,21 @@ def start(cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | N
     """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:  # the child holds its own descriptor
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                                start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
 
 
-def run(cmd: list[str], log_path: Path, env: dict | None = None, grace_s: float = 30.0,
-        first_signal: int = signal.SIGTERM) -> int:  # fmt: skip
+def run(
+    cmd: list[str], log_path: Path, env: dict | None = None, grace_s: float = 30.0, first_signal: int = signal.SIGTERM
+) -> int:
     """Run `cmd` to the end (see `start`) and return its exit code. Whatever happens (Ctrl-C included), no process
     of it outlives this call: on an exception it is stopped with `first_signal` first."""
     proc = start(cmd, log_path, env)

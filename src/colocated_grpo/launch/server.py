@@ -60,10 +60,12 @@ def visible_gpus() -> list[str]:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
         raise ConfigError(
-            [f"vllm=server needs NVIDIA GPUs (NVML: {exc}): TRL syncs weights to a vLLM server over NCCL. "
-             "On CPU use vllm=colocate or vllm=none"]
+            [
+                f"vllm=server needs NVIDIA GPUs (NVML: {exc}): TRL syncs weights to a vLLM server over NCCL. "
+                "On CPU use vllm=colocate or vllm=none"
+            ]
         ) from exc
-    uuid = lambda h: (lambda u: u.decode() if isinstance(u, bytes) else u)(pynvml.nvmlDeviceGetUUID(h))  # noqa: E731
+    uuid = lambda h: (lambda u: u.decode() if isinstance(u, bytes) else u)(pynvml.nvmlDeviceGetUUID(h))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return [uuid(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
@@ -102,15 +104,25 @@ def server_command(cfg: DictConfig, model_path: str, plan_: ServerPlan) -> list[
     p, t = cfg.placement, cfg.trainer
     tp = int(p.server_tensor_parallel_size)
     cmd = [
-        sys.executable, "-m", "trl.cli.main", "vllm-serve",
-        "--model", model_path,
-        "--tensor_parallel_size", str(tp),
-        "--data_parallel_size", str(len(plan_.server_gpus) // tp),
-        "--host", "127.0.0.1",
-        "--port", str(plan_.port),
-        "--gpu_memory_utilization", str(p.gpu_memory_utilization),
-        "--dtype", str(cfg.model.get("dtype", "auto")),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "trl.cli.main",
+        "vllm-serve",
+        "--model",
+        model_path,
+        "--tensor_parallel_size",
+        str(tp),
+        "--data_parallel_size",
+        str(len(plan_.server_gpus) // tp),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(plan_.port),
+        "--gpu_memory_utilization",
+        str(p.gpu_memory_utilization),
+        "--dtype",
+        str(cfg.model.get("dtype", "auto")),
+    ]
     if t.get("vllm_max_model_length"):
         cmd += ["--max_model_len", str(t.vllm_max_model_length)]
     return cmd
@@ -158,7 +170,9 @@ def run_placement(cfg: DictConfig, run_dir: Path) -> Path:
     user_overrides = [o for o in task_overrides() or [] if not o.startswith("hydra.run.dir=")]
     code = launch(cfg, plan_, run_dir, user_overrides, models.resolve(cfg.model))
     if code != 0:
-        raise SystemExit(f"server placement: the trainer failed with exit code {code} (see {run_dir / run_files.TRAINER_LOG})")
+        raise SystemExit(
+            f"server placement: the trainer failed with exit code {code} (see {run_dir / run_files.TRAINER_LOG})"
+        )
     return run_dir
 
 
@@ -168,13 +182,16 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
     base_env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     server_log = run_dir / run_files.SERVER_LOG
     server = processes.start(
-        server_command(cfg, model_path, plan_), server_log,
+        server_command(cfg, model_path, plan_),
+        server_log,
         env={**base_env, "CUDA_VISIBLE_DEVICES": ",".join(plan_.server_gpus)},
-    )  # fmt: skip
+    )
     try:
         url = f"http://127.0.0.1:{plan_.port}/health"
         startup = wait_until_healthy(url, server, float(cfg.placement.health_timeout_s), server_log)
-        log.info("vLLM server healthy on GPUs %s after %.0fs; training on %s", plan_.server_gpus, startup, plan_.train_gpus)
+        log.info(
+            "vLLM server healthy on GPUs %s after %.0fs; training on %s", plan_.server_gpus, startup, plan_.train_gpus
+        )
         trainer_env = {
             **base_env,
             "CUDA_VISIBLE_DEVICES": ",".join(plan_.train_gpus),
@@ -183,11 +200,17 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
         }
         code = processes.run(
             processes.train_command(plan_.nproc, trainer_overrides(cfg, plan_, user_overrides, run_dir)),
-            run_dir / run_files.TRAINER_LOG, env=trainer_env, grace_s=20.0,
-        )  # fmt: skip
+            run_dir / run_files.TRAINER_LOG,
+            env=trainer_env,
+            grace_s=20.0,
+        )
         if code != 0:
-            log.error("trainer exited with code %s; last lines of %s:\n%s", code, run_dir / run_files.TRAINER_LOG,
-                      "\n".join(processes.tail(run_dir / run_files.TRAINER_LOG)))  # fmt: skip
+            log.error(
+                "trainer exited with code %s; last lines of %s:\n%s",
+                code,
+                run_dir / run_files.TRAINER_LOG,
+                "\n".join(processes.tail(run_dir / run_files.TRAINER_LOG)),
+            )
         return code
     finally:
         processes.stop(server)

@@ -25,7 +25,15 @@ from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.processes import free_port
-from colocated_grpo.launch.sweep_plan import Job, Options, default_script, gpus_on_this_machine, plan, quote, wandb_group
+from colocated_grpo.launch.sweep_plan import (
+    Job,
+    Options,
+    default_script,
+    gpus_on_this_machine,
+    plan,
+    quote,
+    wandb_group,
+)
 from colocated_grpo.run_files import now
 
 log = logging.getLogger(__name__)
@@ -36,12 +44,24 @@ def server_command(job: Job, script: str) -> list[str]:
     return [sys.executable, script, f"hydra.run.dir={quote(job.dir)}", *job.overrides]
 
 
-def torchrun_command(job: Job, script: str, master_port: int, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                     extra_args: Sequence[str] = ()) -> list[str]:  # fmt: skip
+def torchrun_command(
+    job: Job,
+    script: str,
+    master_port: int,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+) -> list[str]:
     """The command that runs one job (on one node of it)."""
     return processes.torchrun_command(
-        job.nproc_per_node, [f"hydra.run.dir={quote(job.dir)}", *job.overrides], script, master_port,
-        nnodes=job.nnodes, node_rank=node_rank, master_addr=master_addr, extra_args=extra_args,
+        job.nproc_per_node,
+        [f"hydra.run.dir={quote(job.dir)}", *job.overrides],
+        script,
+        master_port,
+        nnodes=job.nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        extra_args=extra_args,
     )
 
 
@@ -51,8 +71,16 @@ def job_environment() -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
 
 
-_TORCHRUN_SETS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                  "TORCHELASTIC_RUN_ID"}  # fmt: skip
+_TORCHRUN_SETS = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+}
 
 
 def execute(job: Job, command: list[str], log_path: Path, opts: Options, records: bool = True) -> dict:
@@ -76,10 +104,15 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
         raise
     finally:
         outcome = dict(
-            command=command, started=started, ended=now(), duration_s=round(time.monotonic() - t0, 1),
-            exit_code=exit_code, log=log_path.name, log_tail=processes.tail(log_path, opts.log_tail_lines),
+            command=command,
+            started=started,
+            ended=now(),
+            duration_s=round(time.monotonic() - t0, 1),
+            exit_code=exit_code,
+            log=log_path.name,
+            log_tail=processes.tail(log_path, opts.log_tail_lines),
             error=error_line(log_path) if job.status != "finished" else None,
-        )  # fmt: skip
+        )
         record = job.save(**outcome) if records else job.record(**outcome)
     if job.status == "failed":
         log.warning("#%d failed (exit code %s): %s; see %s", job.num, exit_code, record["error"], log_path)
@@ -99,9 +132,9 @@ def error_line(log_path: Path) -> str | None:
             for line in f:
                 line = _RANK_PREFIX.sub("", line).strip()  # torchrun's "[rank0]: " before a worker's lines
                 head = line.split(":", 1)[0]
-                if ":" in line and head.endswith(("Error", "Exception", "Interrupt")) and " " not in head:
-                    if not head.endswith("ChildFailedError"):
-                        found = line
+                exception = ":" in line and " " not in head and head.endswith(("Error", "Exception", "Interrupt"))
+                if exception and not head.endswith("ChildFailedError"):
+                    found = line
     except OSError:
         pass
     return found
@@ -121,8 +154,7 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def launch_local(hydra_context, config: DictConfig, task_function, job_overrides, initial_job_idx: int,
-                 opts: Options):  # fmt: skip
+def launch_local(hydra_context, config: DictConfig, task_function, job_overrides, initial_job_idx: int, opts: Options):
     """Run the jobs one after another, each as its own torchrun on this machine; returns Hydra JobReturns."""
     script = opts.script or default_script(task_function)
     jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=gpus_on_this_machine())
@@ -132,8 +164,11 @@ def launch_local(hydra_context, config: DictConfig, task_function, job_overrides
         with sigterm_as_interrupt():
             for job in [] if opts.dry_run else jobs:
                 if job.status == "pending":
-                    command = (server_command(job, script) if job.server
-                               else torchrun_command(job, script, free_port(), extra_args=opts.torchrun_args))  # fmt: skip
+                    command = (
+                        server_command(job, script)
+                        if job.server
+                        else torchrun_command(job, script, free_port(), extra_args=opts.torchrun_args)
+                    )
                     execute(job, command, Path(job.dir) / run_files.JOB_LOG, opts)
     except KeyboardInterrupt:
         interrupted = True
@@ -147,8 +182,14 @@ def announce(config: DictConfig, jobs: list[Job], dry_run: bool) -> Path:
     if dry_run:
         for job in runnable:
             job.status = "planned"
-    log.info("sweep %s: %d jobs, %d runnable, %d skipped (W&B group %s)", sweep_dir, len(jobs), len(runnable),
-             len(jobs) - len(runnable), wandb_group(config))  # fmt: skip
+    log.info(
+        "sweep %s: %d jobs, %d runnable, %d skipped (W&B group %s)",
+        sweep_dir,
+        len(jobs),
+        len(runnable),
+        len(jobs) - len(runnable),
+        wandb_group(config),
+    )
     for job in jobs:
         job.save()
         what = f"skipped: {job.reason}" if job.reason else f"nproc_per_node={job.nproc_per_node} nnodes={job.nnodes}"

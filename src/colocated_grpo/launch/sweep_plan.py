@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import List, Optional  # noqa: UP035 - OmegaConf reads these annotations (structured configs)
+from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -50,7 +50,9 @@ class Job:
     server: bool = False  # vllm=server: the job is one `python train.py` that starts its server and torchrun
     status: str = "pending"
     reason: str | None = None  # why a job was skipped
-    placement: dict | None = None  # analysis.tables.PLACEMENT_KEYS as planned: what a job that never ran would have used
+    placement: dict | None = (
+        None  # analysis.tables.PLACEMENT_KEYS as planned: what a job that never ran would have used
+    )
 
     def record(self, **extra) -> dict:
         return {**dataclasses.asdict(self), **extra}
@@ -62,9 +64,14 @@ class Job:
         return record
 
 
-
-def plan(hydra_context, config: DictConfig, job_overrides, initial_job_idx: int, nnodes: int = 1,
-         gpus_here: int | None = None) -> list[Job]:  # fmt: skip
+def plan(
+    hydra_context,
+    config: DictConfig,
+    job_overrides,
+    initial_job_idx: int,
+    nnodes: int = 1,
+    gpus_here: int | None = None,
+) -> list[Job]:
     """Compose each job's config, name its directory, and skip what cannot run (with the reason)."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -92,7 +99,9 @@ def plan(hydra_context, config: DictConfig, job_overrides, initial_job_idx: int,
             server = OmegaConf.select(job_cfg, "placement.name") == "server"
             placement = tables.placement_settings(lambda key, c=job_cfg: OmegaConf.select(c, key), nproc * nnodes)
             job = Job(num, overrides, swept, str(sweep_dir / subdir), nproc, nnodes, server=server, placement=placement)
-            job.reason = server_skip_reason(job_cfg, gpus_here) if server else skip_reason(job_cfg, nproc * nnodes, gpus_here)
+            job.reason = (
+                server_skip_reason(job_cfg, gpus_here) if server else skip_reason(job_cfg, nproc * nnodes, gpus_here)
+            )
             if job.reason:
                 job.status = "skipped"
             jobs.append(job)
@@ -163,13 +172,13 @@ def default_script(task_function) -> str:
     return str(Path(inspect.getfile(task_function)).resolve())
 
 
-
 def server_skip_reason(job_cfg: DictConfig, gpus_here: int | None) -> str | None:
     """A server-placement job takes every GPU of the machine: K serve, the rest train."""
     k = int(job_cfg.placement.server_gpus)
     if gpus_here is not None and gpus_here <= k:
-        return (f"vllm=server with placement.server_gpus={k} needs more than {k} GPUs; this machine has {gpus_here}"
-                + (" (TRL syncs weights to a vLLM server over NCCL)" if gpus_here == 0 else ""))  # fmt: skip
+        return f"vllm=server with placement.server_gpus={k} needs more than {k} GPUs; this machine has {gpus_here}" + (
+            " (TRL syncs weights to a vLLM server over NCCL)" if gpus_here == 0 else ""
+        )
     try:
         validate(job_cfg, (gpus_here or k + 1) - k)
     except ConfigError as err:

@@ -12,7 +12,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo import run_files
 from colocated_grpo.launch.processes import free_port
-from colocated_grpo.launch.sweep_local import announce, cancel_pending, execute, finish, sigterm_as_interrupt, torchrun_command
+from colocated_grpo.launch.sweep_local import (
+    announce,
+    cancel_pending,
+    execute,
+    finish,
+    sigterm_as_interrupt,
+    torchrun_command,
+)
 from colocated_grpo.launch.sweep_plan import Job, Options, default_script, plan
 from colocated_grpo.run_files import read_json, write_json
 
@@ -20,6 +27,7 @@ from colocated_grpo.run_files import read_json, write_json
 def submitit_executor(kind: str, params: dict):
     """A submitit executor from hydra.launcher's submitit fields, as hydra-submitit-launcher maps them."""
     import submitit
+
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
     params = dict(params)
@@ -32,8 +40,16 @@ def submitit_executor(kind: str, params: dict):
     return executor
 
 
-def launch_submitit(kind: str, params: dict, hydra_context, config: DictConfig, task_function, job_overrides,
-                    initial_job_idx: int, opts: Options):  # fmt: skip
+def launch_submitit(
+    kind: str,
+    params: dict,
+    hydra_context,
+    config: DictConfig,
+    task_function,
+    job_overrides,
+    initial_job_idx: int,
+    opts: Options,
+):
     """Submit every runnable job as one submitit job of `nodes` tasks (one per node, each starting torchrun with
     the rendezvous taken from SLURM's environment); wait for them, then summarise.
 
@@ -62,7 +78,7 @@ def launch_submitit(kind: str, params: dict, hydra_context, config: DictConfig, 
                         submitted.append((job, executor.submit(run_on_node, job, opts)))
                         _collect(*submitted[-1])
                 else:
-                    submitted += zip(group, executor.map_array(run_on_node, group, [opts] * len(group)))
+                    submitted += zip(group, executor.map_array(run_on_node, group, [opts] * len(group)), strict=True)
             for job, sub in submitted:
                 if job.status == "pending":
                     _collect(job, sub)
@@ -104,8 +120,9 @@ def node_command(job: Job, opts: Options) -> tuple[list[str], Path]:
     port = free_port() if env.num_nodes == 1 else 20000 + zlib.crc32(str(env.job_id).encode()) % 20000
     if env.num_nodes != job.nnodes:
         raise RuntimeError(f"job #{job.num} was planned for {job.nnodes} nodes but runs on {env.num_nodes}")
-    command = torchrun_command(job, opts.script, port, node_rank=node, master_addr=env.hostnames[0],
-                               extra_args=opts.torchrun_args)  # fmt: skip
+    command = torchrun_command(
+        job, opts.script, port, node_rank=node, master_addr=env.hostnames[0], extra_args=opts.torchrun_args
+    )
     return command, Path(job.dir) / (run_files.JOB_LOG if node == 0 else f"job.node{node}.log")
 
 

@@ -31,9 +31,16 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
             marker = wandb_rewind.read_marker(resume.checkpoint.path if resume.checkpoint else None)
             rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, marker)
         where = resume.checkpoint.path.name if resume.checkpoint else "the start (no checkpoint)"
-        log.info("resuming %s from %s, step %d; records of later steps dropped: %s; W&B rows dropped: %s; "
-                 "incomplete checkpoints removed: %s", run_dir, where, resume.step, dropped or "none",
-                 rewound or "none", removed or "none")  # fmt: skip
+        log.info(
+            "resuming %s from %s, step %d; records of later steps dropped: %s; W&B rows dropped: %s; "
+            "incomplete checkpoints removed: %s",
+            run_dir,
+            where,
+            resume.step,
+            dropped or "none",
+            rewound or "none",
+            removed or "none",
+        )
     if cfg.trainer.get("trust_remote_code"):
         log.warning("trainer.trust_remote_code=true: code shipped with the model repository will run here")
     tree = redaction.redact(OmegaConf.to_container(cfg, resolve=True))

@@ -153,8 +153,11 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
                 f"{run_dir} holds a finished run without checkpoints, so there is nothing to continue from and "
                 "starting over would overwrite its results; choose a new hydra.run.dir"
             )
-        log.warning("%s holds an unfinished run without a checkpoint (status: %s): starting it over from step 0",
-                    run_dir, status)  # fmt: skip
+        log.warning(
+            "%s holds an unfinished run without a checkpoint (status: %s): starting it over from step 0",
+            run_dir,
+            status,
+        )
         return Resume(None, previous)
     check_config(cfg, run_dir, previous)
     return Resume(checkpoint, previous)
@@ -170,7 +173,7 @@ def check_config(cfg: DictConfig, run_dir: Path, previous: dict | None = None) -
     changed = []
     for key in sorted(set(stored) | set(current)):
         old, new = stored.get(key, "<unset>"), current.get(key, "<unset>")
-        if old == new or old == REDACTED or any(key == k or key.startswith(k + ".") for k in MAY_CHANGE):
+        if old in (new, REDACTED) or any(key == k or key.startswith(k + ".") for k in MAY_CHANGE):
             continue
         changed.append(f"{key}: {old!r} -> {new!r}")
     if changed:

@@ -61,8 +61,10 @@ class StopOnSignal(TrainerCallback):
             self.signum, self._first_at = signum, time.monotonic()
             log.warning(
                 "%s received: saving a checkpoint and stopping at the end of the current step "
-                "(send it again after %.0f s to stop at once, without a checkpoint)", name, REPEAT_WINDOW_S,
-            )  # fmt: skip
+                "(send it again after %.0f s to stop at once, without a checkpoint)",
+                name,
+                REPEAT_WINDOW_S,
+            )
             return
         if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
             return

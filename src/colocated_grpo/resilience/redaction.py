@@ -39,9 +39,11 @@ def redact_text(text: str, secrets: list[str] | None = None) -> str:
     # key=value / key: value where the key names a credential (Hydra overrides, YAML lines)
     return re.sub(
         r"(?im)(^|[\s\"'\[,+~])([\w.\-]+)(\s*[=:]\s*)([^\s,\]\"']+)",
-        lambda m: m.group(0)
-        if not is_secret_key(m.group(2)) or m.group(4) in _EMPTY
-        else f"{m.group(1)}{m.group(2)}{m.group(3)}{REDACTED}",
+        lambda m: (
+            m.group(0)
+            if not is_secret_key(m.group(2)) or m.group(4) in _EMPTY
+            else f"{m.group(1)}{m.group(2)}{m.group(3)}{REDACTED}"
+        ),
         text,
     )
 

@@ -9,6 +9,7 @@ import os
 
 from colocated_grpo.compat.vllm import CPU_FREE, CPU_KV, GPU_FREE, KV_TOO_SMALL, NO_CACHE, memory_failure
 
+
 class StartupMemoryError(RuntimeError):
     """vLLM could not get the memory it needs while starting; the message names the config keys to change."""
 

@@ -68,8 +68,11 @@ def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict
             log.warning(
                 "W&B already holds %d rows that run %s logged after checkpoint %d (segment %s, online); they stay "
                 "in W&B. metrics.jsonl in the run directory has every step once.",
-                count, run_id, step, name,
-            )  # fmt: skip
+                count,
+                run_id,
+                step,
+                name,
+            )
     return dropped
 
 

@@ -110,7 +110,9 @@ class TelemetryCallback(TrainerCallback):
                 name = torch.cuda.get_device_name(device)
                 self.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
         elif state.is_world_process_zero:
-            log.warning("NVML is not available (no NVIDIA GPU): logging phase timings and throughput without GPU metrics")
+            log.warning(
+                "NVML is not available (no NVIDIA GPU): logging phase timings and throughput without GPU metrics"
+            )
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
         self.constants = {"model/params": float(self.n_params)}
         kv_tokens = trl_internals.kv_cache_tokens(self.trainer)
@@ -153,9 +155,14 @@ class TelemetryCallback(TrainerCallback):
         for r in reports:
             for seg in r.phases.segments:  # the step's timeline: what each rank did when (same clock as samples)
                 self.phases_writer.write(
-                    {STEP_KEY: state.global_step, "rank": r.rank, "phase": seg.phase, "start": seg.start,
-                     "end": seg.end}
-                )  # fmt: skip
+                    {
+                        STEP_KEY: state.global_step,
+                        "rank": r.rank,
+                        "phase": seg.phase,
+                        "start": seg.start,
+                        "end": seg.end,
+                    }
+                )
             for sample, phase in r.labelled:
                 self.samples_writer.write(
                     {STEP_KEY: state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}

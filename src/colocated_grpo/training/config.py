@@ -59,8 +59,12 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
         elif trainer.get("vllm_mode") == "server":
             p = cfg.placement
             if not 0 < float(p.gpu_memory_utilization) < 1:
-                problems.append(f"placement.gpu_memory_utilization={p.gpu_memory_utilization} must be strictly between 0 and 1")
-            problems += _heads_problems(cfg.model, int(p.server_tensor_parallel_size), "placement.server_tensor_parallel_size")
+                problems.append(
+                    f"placement.gpu_memory_utilization={p.gpu_memory_utilization} must be strictly between 0 and 1"
+                )
+            problems += _heads_problems(
+                cfg.model, int(p.server_tensor_parallel_size), "placement.server_tensor_parallel_size"
+            )
 
     num_gen = int(trainer.get("num_generations", 8))
     batch = generation_batch_size(trainer, world)
@@ -155,8 +159,7 @@ def _heads_problems(model: DictConfig, tp: int, key: str) -> list[str]:
     for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
         if n % tp:
             problems.append(
-                f"{key}={tp} must divide the model's {n} {what} "
-                f"({model.name_or_path}); use one of {_divisors(n)}"
+                f"{key}={tp} must divide the model's {n} {what} ({model.name_or_path}); use one of {_divisors(n)}"
             )
     return problems
 

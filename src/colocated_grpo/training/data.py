@@ -31,7 +31,7 @@ def arithmetic_corpus() -> Iterator[str]:
 
 def _conversation(question: str, system_prompt: str | None) -> list[dict]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return messages + [{"role": "user", "content": question}]
+    return [*messages, {"role": "user", "content": question}]
 
 
 def build(data_cfg):
@@ -63,7 +63,9 @@ def build(data_cfg):
         prompt_col, answer_col = data_cfg.prompt_column, data_cfg.answer_column
         ds = ds.map(
             lambda r: {
-                "prompt": r[prompt_col] if isinstance(r[prompt_col], list) else _conversation(r[prompt_col], system_prompt),
+                "prompt": r[prompt_col]
+                if isinstance(r[prompt_col], list)
+                else _conversation(r[prompt_col], system_prompt),
                 "answer": str(r[answer_col]),
             },
             remove_columns=ds.column_names,

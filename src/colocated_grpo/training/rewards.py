@@ -34,7 +34,7 @@ def register(fn: RewardFn) -> RewardFn:
 def exact_answer(completions: list[str], answer: list[str], **_) -> list[float | None]:
     """1.0 when the final answer (the last \\boxed{} if any, else the last number) equals `answer` exactly."""
     scores = []
-    for text, gold in zip(completions, answer):
+    for text, gold in zip(completions, answer, strict=True):
         if gold is None:
             scores.append(None)
             continue
@@ -50,7 +50,7 @@ def math_accuracy(completions: list[str], answer: list[str], **_) -> list[float 
     from math_verify import parse, verify
 
     scores = []
-    for text, gold in zip(completions, answer):
+    for text, gold in zip(completions, answer, strict=True):
         gold_parsed = parse(str(gold)) if gold is not None else []
         if not gold_parsed:
             scores.append(None)  # an unparsable reference says nothing about the completion
@@ -66,7 +66,9 @@ def boxed_format(completions: list[str], **_) -> list[float]:
 
 
 @register
-def length(completions: list[str], completion_ids: list[list[int]] | None = None, target: int = 256, **_) -> list[float]:
+def length(
+    completions: list[str], completion_ids: list[list[int]] | None = None, target: int = 256, **_
+) -> list[float]:
     """1 at `target` tokens, falling linearly to 0 at 0 and 2×target tokens (characters if no ids are given)."""
     sizes = [len(ids) for ids in completion_ids] if completion_ids is not None else [len(t) for t in completions]
     return [max(0.0, 1.0 - abs(n - target) / target) for n in sizes]

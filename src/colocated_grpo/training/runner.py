@@ -128,7 +128,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
 
 
 def is_main_process() -> bool:
-    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): the one that writes run files and W&B."""
+    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): it writes run files and W&B."""
     return int(os.environ.get("RANK", "0")) == 0
 
 

@@ -22,8 +22,11 @@ from colocated_grpo.bench.study import report, running
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m colocated_grpo.bench.study", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m colocated_grpo.bench.study",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser("run", help="run every case and bench of a study, then write the report")
     run_parser.add_argument("definition", help="a study YAML, e.g. sweeps/studies/h200_x2.yaml")

@@ -40,13 +40,28 @@ def load(path: str | Path) -> dict:
 
 def case_command(study: dict, model: str, case: str, case_dir: Path) -> list[str]:
     """The one-job multirun that runs `case` for `model`: `python train.py -m …` through the torchrun launcher."""
-    return [sys.executable, str(REPO / "train.py"), "-m", f"model={model}", *study["common"], *study["cases"][case],
-            f"hydra.sweep.dir={case_dir}"]  # fmt: skip
+    return [
+        sys.executable,
+        str(REPO / "train.py"),
+        "-m",
+        f"model={model}",
+        *study["common"],
+        *study["cases"][case],
+        f"hydra.sweep.dir={case_dir}",
+    ]
 
 
 def bench_command(model: str, args: list[str], out: Path) -> list[str]:
-    return [sys.executable, "-m", "colocated_grpo.bench.vllm_generate", "--model", model, *map(str, args),
-            "--json", str(out)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "colocated_grpo.bench.vllm_generate",
+        "--model",
+        model,
+        *map(str, args),
+        "--json",
+        str(out),
+    ]
 
 
 def _job(case_dir: Path) -> dict | None:
@@ -77,9 +92,14 @@ def environments(out: Path) -> list[dict]:
 
 def environment() -> dict:
     """Where the study ran: date, host, GPUs and driver (NVML when present), package versions."""
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "host": platform.node(), "git": git_state(), "versions": package_versions(), "gpus": [],
-           "driver": None}  # fmt: skip
+    env = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "git": git_state(),
+        "versions": package_versions(),
+        "gpus": [],
+        "driver": None,
+    }
     try:
         import pynvml
 

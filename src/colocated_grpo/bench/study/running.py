@@ -27,16 +27,24 @@ def run(definition: str | Path, out: str | Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(definition).read_text())
     write_json(out / "env.json", [*environments(out), environment()])  # a continued study may change machine
-    steps = [(m, kind, name) for m in study["models"]
-             for kind, names in (("case", study["cases"]), ("bench", study["bench"])) for name in names]  # fmt: skip
+    steps = [
+        (m, kind, name)
+        for m in study["models"]
+        for kind, names in (("case", study["cases"]), ("bench", study["bench"]))
+        for name in names
+    ]
     started = time.monotonic()
     try:
         _run_steps(study, out, steps)
     except KeyboardInterrupt:  # the job in flight was stopped with SIGINT and recorded as interrupted
-        print(f"study interrupted after {time.monotonic() - started:.0f} s; run the same command again to continue",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"study interrupted after {time.monotonic() - started:.0f} s; run the same command again to continue",
+            file=sys.stderr,
+        )
         sys.exit(130)
-    print(f"study done in {time.monotonic() - started:.0f} s; report: python -m colocated_grpo.bench.study report {out}")
+    print(
+        f"study done in {time.monotonic() - started:.0f} s; report: python -m colocated_grpo.bench.study report {out}"
+    )
 
 
 def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]]) -> None:
