@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colocated_grpo.launch.processes import free_port
-from colocated_grpo.provenance import REPO
+from colocated_grpo.launch.processes import TRAIN_SCRIPT, free_port, torchrun_command
 from colocated_grpo.run_files import read_jsonl
 
 # A test that uses one of these starts real processes: train.py, a sweep, torchrun, vLLM.
@@ -61,7 +60,7 @@ def run_sweep(run_env, tmp_path_factory):
         tmp = tmp_path_factory.mktemp("sweep")
         sweep_dir = tmp / "sweep"
         proc = subprocess.run(
-            [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides],
+            [sys.executable, str(TRAIN_SCRIPT), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides],
             cwd=tmp,
             env=run_env,
             capture_output=True,
@@ -79,18 +78,8 @@ def train(run_env, tmp_path_factory):
 
     def _train(*overrides: str, nproc: int | None = None, timeout: int = 900, check: bool = True) -> Run:
         run_dir = tmp_path_factory.mktemp("run")
-        launcher = (
-            [sys.executable]
-            if nproc is None
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}",
-            ]
-        )
-        cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+        args = [f"hydra.run.dir={run_dir}", *overrides]
+        cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
         env = dict(run_env)
         if nproc is None:  # a free rendezvous port instead of accelerate's/TRL's fixed 29500 (runs may overlap)
             env["MASTER_PORT"] = str(free_port())

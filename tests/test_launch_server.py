@@ -11,7 +11,8 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from colocated_grpo.launch import processes, server
+from colocated_grpo.launch import processes
+from colocated_grpo.launch import server_placement as server
 from colocated_grpo.training.config import ConfigError
 
 GPUS = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]

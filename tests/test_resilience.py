@@ -18,11 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, free_port
+from conftest import REPO
 from hydra import compose, initialize_config_dir
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from colocated_grpo.compat import wandb as wandb_log
+from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
 from colocated_grpo.resilience import checkpoints, nonfinite, preemption, redaction, startup_errors, wandb_rewind
 from colocated_grpo.run_files import read_jsonl
 
@@ -37,18 +38,8 @@ class Job:
     def __init__(self, run_dir: Path, model_cache: Path, *overrides: str, nproc: int | None = None, env=None):
         self.dir = run_dir
         self.log = run_dir.with_name(run_dir.name + f".{time.monotonic_ns()}.log")
-        launcher = (
-            [sys.executable]
-            if nproc is None
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}",
-            ]
-        )
-        self.cmd = [*launcher, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+        args = [f"hydra.run.dir={run_dir}", *overrides]
+        self.cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
         path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
         self.env = {
             **os.environ,

@@ -91,7 +91,7 @@ def run_summary(run_dir: str | Path) -> dict:
     metrics = read_jsonl(run_dir / run_files.METRICS)
     run = read_json(run_dir / run_files.RUN) or {}
     row = summary_row(summary, metrics, int(run.get("world_size") or 1))
-    row["source"] = "summary.json" if summary else ("metrics.jsonl" if metrics else None)
+    row["source"] = run_files.SUMMARY if summary else (run_files.METRICS if metrics else None)
     return row
 
 
@@ -178,7 +178,7 @@ def load_jobs(sweep_dir: str | Path) -> list[dict]:
     """
     sweep_dir = Path(sweep_dir)
     job_dirs = sorted({p.parent for p in sweep_dir.rglob(run_files.JOB)}) or sorted(
-        {p.parent for p in sweep_dir.rglob("run.json")}
+        {p.parent for p in sweep_dir.rglob(run_files.RUN)}
     )
     rows = []
     for job_dir in job_dirs:

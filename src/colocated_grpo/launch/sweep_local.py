@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def server_command(job: Job, script: str) -> list[str]:
-    """A server-placement job is one plain process: it starts the server and its own torchrun (server.py)."""
+    """A server-placement job is one plain process: it starts the server and its own torchrun (server_placement.py)."""
     return [sys.executable, script, f"hydra.run.dir={quote(job.dir)}", *job.overrides]
 
 
