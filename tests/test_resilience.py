@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO
 from hydra import compose, initialize_config_dir
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from colocated_grpo.compat import wandb as wandb_log
 from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
+from colocated_grpo.provenance import REPO
 from colocated_grpo.resilience import checkpoints, nonfinite, preemption, redaction, startup_errors, wandb_rewind
 from colocated_grpo.run_files import read_jsonl
 

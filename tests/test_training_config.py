@@ -133,11 +133,32 @@ def test_none_placement_skips_vllm_checks():
 
 def test_fixed_completion_length_maps_to_each_backends_own_kwargs():
     cfg = compose_train("+experiment=gpu_smoke", "trainer.bf16=false", "trainer.max_completion_length=96")
-    assert grpo_config(cfg, "unused", []).generation_kwargs == {"min_tokens": 96, "ignore_eos": True}
+    kwargs = grpo_config(cfg, "unused", []).generation_kwargs
+    assert {"min_tokens": 96, "ignore_eos": True}.items() <= kwargs.items()
     cfg = compose_train(
         "+experiment=gpu_smoke", "vllm=none", "trainer.bf16=false", "+trainer.generation_kwargs={min_new_tokens: 8}"
     )
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"min_new_tokens": 8}, "the user's own kwargs win"
-    cfg = compose_train("+experiment=gpu_smoke", "trainer.bf16=false", "run.fixed_completion_length=false")
+    cfg = compose_train("+experiment=gpu_smoke", "vllm=none", "trainer.bf16=false", "run.fixed_completion_length=false")
     assert grpo_config(cfg, "unused", []).generation_kwargs is None
     _fails("run.fixed_completion_length must be true or false", "run.fixed_completion_length=sometimes")
+
+
+# gpu_smoke sets run.name (the default takes it from Hydra's runtime); its fixed lengths are turned off here.
+SMOKE = ("+experiment=gpu_smoke", "trainer.bf16=false", "run.fixed_completion_length=false")
+
+
+@pytest.mark.parametrize("placement", ["colocate", "colocate_sleep"])
+def test_fast_outputs_reach_the_colocated_engines_sampling_params(placement):
+    cfg = compose_train(*SMOKE, f"vllm={placement}")
+    assert grpo_config(cfg, "unused", []).generation_kwargs == {"detokenize": False, "flat_logprobs": True}
+    cfg = compose_train(*SMOKE, f"vllm={placement}", "placement.fast_outputs=false")
+    assert grpo_config(cfg, "unused", []).generation_kwargs is None, "false: TRL's own request"
+    cfg = compose_train(*SMOKE, f"vllm={placement}", "+trainer.generation_kwargs={detokenize: true}")
+    assert grpo_config(cfg, "unused", []).generation_kwargs == {"detokenize": True, "flat_logprobs": True}
+
+
+@pytest.mark.parametrize("placement", ["none", "server"])
+def test_fast_outputs_leave_other_placements_alone(placement):
+    cfg = compose_train(*SMOKE, f"vllm={placement}", "+placement.fast_outputs=true")
+    assert grpo_config(cfg, "unused", []).generation_kwargs is None

@@ -76,14 +76,21 @@ def test_weight_sync_reaches_the_colocated_engine(train):
     assert max(diffs) < 0.05, diffs
 
 
-def test_torchrun_two_ranks_with_tensor_parallel_two(train):
-    run = train(
-        "trainer.vllm_tensor_parallel_size=2",
-        "trainer.per_device_train_batch_size=2",
-        "trainer.max_steps=2",
-        "parallelism.nproc_per_node=2",
-        nproc=2,
-    )
+TP2 = (
+    "trainer.vllm_tensor_parallel_size=2",
+    "trainer.per_device_train_batch_size=2",
+    "trainer.max_steps=2",
+    "parallelism.nproc_per_node=2",
+)
+
+
+@pytest.fixture(scope="module")
+def tp2_run(train):
+    return train(*TP2, nproc=2)
+
+
+def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
+    run = tp2_run
     metrics = run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2]
     assert json.loads((run.dir / "run.json").read_text())["world_size"] == 2
@@ -153,3 +160,31 @@ def test_bad_config_fails_before_loading_anything(train):
     assert run.proc.returncode != 0
     assert "trainer.vllm_gpu_memory_utilization=1.5 must be strictly between 0 and 1" in run.output
     assert not (run.dir / "metrics.jsonl").exists()
+
+
+# TRL's sampling metrics are functions of the engine's sampled log-probs (beside the trainer's own, which depend
+# only on the tokens): equal metrics mean equal sampled log-probs.
+SAMPLING_LOGP_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+
+
+def _assert_same_rollouts_and_training(fast, plain):
+    assert _completions(fast) == _completions(plain), "the same tokens, token for token"
+    steps = list(zip(fast.metrics(), plain.metrics(), strict=True))
+    assert len(steps) >= 2
+    for f, p in steps:
+        assert f["train/global_step"] == p["train/global_step"]
+        assert f["loss"] == p["loss"] and f["completions/mean_length"] == p["completions/mean_length"]
+        for key in SAMPLING_LOGP_METRICS:
+            assert f[key] == pytest.approx(p[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fast_outputs_change_no_token_log_prob_or_loss(train, default_run, tp2_run, ranks):
+    """placement.fast_outputs (on by default) against TRL's own request, same seed: 1 rank, and 2 ranks with TP 2."""
+    if ranks == 1:
+        fast, plain = default_run, train("placement.fast_outputs=false")
+    else:
+        fast, plain = tp2_run, train(*TP2, "placement.fast_outputs=false", nproc=2)
+    assert "fast_outputs: true" in (fast.dir / "config.yaml").read_text()
+    assert "fast_outputs: false" in (plain.dir / "config.yaml").read_text()
+    _assert_same_rollouts_and_training(fast, plain)

@@ -16,8 +16,29 @@ rendezvous port makes the name unique per job. CUDA builds of vLLM are untouched
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
+
+log = logging.getLogger(__name__)
+
+# What the colocated engine need not build for TRL, which reads only token ids and sampled log-probs from its outputs:
+# the completion text (TRL decodes the ids itself) and one Python object per token for the log-probs.
+FAST_OUTPUTS = {"detokenize": False, "flat_logprobs": True}
+
+
+def fast_output_kwargs() -> dict:
+    """The SamplingParams of FAST_OUTPUTS that the installed vLLM knows (flat_logprobs is missing before 0.11)."""
+    from vllm import SamplingParams
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None
+    if fields is None:  # msgspec Struct
+        fields = set(getattr(SamplingParams, "__struct_fields__", ()))
+    known = {k: v for k, v in FAST_OUTPUTS.items() if k in fields}
+    if missing := sorted(set(FAST_OUTPUTS) - set(known)):
+        log.warning("this vLLM's SamplingParams has no %s: placement.fast_outputs uses only %s", missing, known)
+    return known
 
 
 def prepare_cpu() -> None:

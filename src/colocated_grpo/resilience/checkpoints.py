@@ -39,6 +39,7 @@ MAY_CHANGE = (
     "trainer.logging_steps",
     "trainer.vllm_gpu_memory_utilization",
     "trainer.dataloader_num_workers",
+    "placement.fast_outputs",  # the same tokens and log-probs either way
     # server placement picks free ports at every launch
     "trainer.vllm_server_host",
     "trainer.vllm_server_port",

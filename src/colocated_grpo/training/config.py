@@ -178,8 +178,16 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str]):
         # Without it, transformers ignores torchrun on CPU and every rank trains alone (world size 1).
         kwargs.setdefault("use_cpu", True)
     kwargs.setdefault("model_init_kwargs", {}).setdefault("dtype", cfg.model.get("dtype", "auto"))
+    # Our generation settings go under the user's own trainer.generation_kwargs, which win.
+    ours = {}
     if cfg.run.fixed_completion_length:
-        kwargs["generation_kwargs"] = {**fixed_length_kwargs(kwargs), **(kwargs.get("generation_kwargs") or {})}
+        ours.update(fixed_length_kwargs(kwargs))
+    if kwargs.get("use_vllm") and kwargs.get("vllm_mode") == "colocate" and cfg.placement.get("fast_outputs"):
+        from colocated_grpo.compat.vllm import fast_output_kwargs
+
+        ours.update(fast_output_kwargs())
+    if ours:
+        kwargs["generation_kwargs"] = {**ours, **(kwargs.get("generation_kwargs") or {})}
     return GRPOConfig(
         output_dir=output_dir,
         report_to=report_to,
