@@ -66,14 +66,22 @@ def test_default_run_mirrors_metrics_to_wandb_offline(default_run):
         assert key in blob, key
 
 
-def test_weight_sync_reaches_the_colocated_engine(train):
-    """With a large learning rate the policy moves every step; vLLM's sampling log-probs only keep matching the
-    trainer's if each step's weights reach the engine."""
-    run = train("trainer.learning_rate=0.02", "trainer.max_steps=4", "reward=length", "+reward.params.length.target=16")
-    metrics = run.metrics()
+# A policy that moves every step: the engine's sampling log-probs only keep matching the trainer's if each step's
+# weights reach the engine.
+MOVING = ("trainer.learning_rate=0.02", "trainer.max_steps=4", "reward=length", "+reward.params.length.target=16")
+
+
+@pytest.fixture(scope="module")
+def moving_run(train):
+    return train(*MOVING)
+
+
+def test_weight_sync_reaches_the_colocated_engine(moving_run):
+    metrics = moving_run.metrics()
     assert any(m["grad_norm"] > 0 for m in metrics), "the policy must actually change for this test to mean anything"
     diffs = [m["sampling/sampling_logp_difference/mean"] for m in metrics]
     assert max(diffs) < 0.05, diffs
+    assert "weight sync: one_call" in moving_run.output
 
 
 TP2 = (
@@ -81,6 +89,7 @@ TP2 = (
     "trainer.per_device_train_batch_size=2",
     "trainer.max_steps=2",
     "parallelism.nproc_per_node=2",
+    "trainer.learning_rate=0.02",  # a moving policy: every sync carries new weights
 )
 
 
@@ -93,31 +102,20 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
     run = tp2_run
     metrics = run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2]
-    assert json.loads((run.dir / "run.json").read_text())["world_size"] == 2
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["world_size"] == 2 and record["distributed_type"] == "MULTI_CPU"
     # both ranks' tokens reach rank 0's count (gathered every step)
     assert sum(m["perf/tokens"] for m in metrics) == metrics[-1]["num_tokens"]
     assert len(list(run.dir.glob("wandb/offline-run-*"))) == 1, "only rank 0 writes W&B"
 
 
-def test_fsdp_two_ranks_sync_sharded_weights_to_the_engine(train):
-    """parallelism=fsdp (FSDP2): TRL gathers the sharded weights for every sync; with a policy that moves each
-    step, vLLM's log-probs only keep matching the trainer's if the gathered weights are right."""
-    run = train(
-        "parallelism=fsdp",
-        "parallelism.nproc_per_node=2",
-        "trainer.per_device_train_batch_size=4",
-        "trainer.max_steps=4",
-        "trainer.learning_rate=0.02",
-        "reward=length",
-        "+reward.params.length.target=16",
-        "logger=none",
-        nproc=2,
-    )
-    metrics = run.metrics()
-    assert [m["train/global_step"] for m in metrics] == [1, 2, 3, 4]
-    assert "fsdp: full_shard auto_wrap" in (run.dir / "config.yaml").read_text()
-    assert any(m["grad_norm"] > 0 for m in metrics), "the policy must actually change for this test to mean anything"
-    assert max(m["sampling/sampling_logp_difference/mean"] for m in metrics) < 0.05
+def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):
+    """accelerate turns FSDP on only for GPU-like devices: on CPU parallelism=fsdp would train plain DDP under an
+    FSDP name, so it is refused (FSDP2 itself runs in tests/test_training_gpu.py)."""
+    run = train("parallelism=fsdp", check=False)
+    assert run.proc.returncode != 0
+    assert "parallelism=fsdp needs GPUs" in run.output
+    assert not (run.dir / "metrics.jsonl").exists()
 
 
 def test_fixed_completion_length_stops_early_eos_in_vllm(train, default_run):
@@ -178,13 +176,18 @@ def _assert_same_rollouts_and_training(fast, plain):
             assert f[key] == pytest.approx(p[key], abs=1e-6), key
 
 
+# TRL's own request and weight sync: what placement.fast_outputs and placement.fast_sync replace.
+TRL_DEFAULTS = ("placement.fast_outputs=false", "placement.fast_sync=false")
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_fast_outputs_change_no_token_log_prob_or_loss(train, default_run, tp2_run, ranks):
-    """placement.fast_outputs (on by default) against TRL's own request, same seed: 1 rank, and 2 ranks with TP 2."""
+def test_fast_outputs_and_sync_change_no_token_log_prob_or_loss(train, moving_run, tp2_run, ranks):
+    """Our defaults against TRL's request and sync, same seed, a moving policy: 1 rank, and 2 ranks with TP 2."""
     if ranks == 1:
-        fast, plain = default_run, train("placement.fast_outputs=false")
+        fast, plain = moving_run, train(*MOVING, *TRL_DEFAULTS)
     else:
-        fast, plain = tp2_run, train(*TP2, "placement.fast_outputs=false", nproc=2)
+        fast, plain = tp2_run, train(*TP2, *TRL_DEFAULTS, nproc=2)
     assert "fast_outputs: true" in (fast.dir / "config.yaml").read_text()
     assert "fast_outputs: false" in (plain.dir / "config.yaml").read_text()
+    assert "weight sync: one_call" in fast.output and "weight sync: one_call" not in plain.output
     _assert_same_rollouts_and_training(fast, plain)

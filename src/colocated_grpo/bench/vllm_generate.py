@@ -1,14 +1,23 @@
-"""Standalone vLLM generation throughput: the ceiling a colocated generation phase can be compared with.
+"""Standalone vLLM generation throughput: the ceiling a colocated generation phase can be compared with, and what each
+request's outputs cost.
 
-Builds one engine with the given memory share and TP size and generates a fixed batch of fixed-length completions
+Builds one engine with the given memory share and TP size and generates fixed batches of fixed-length completions
 (`ignore_eos` and `min_tokens`, so random weights cannot stop early), then prints tokens/s. Compare with a run's
 `perf/gen_tokens_per_s` at the same batch and memory share.
 
 `--engine trl` builds the engine the way TRL's colocate mode does: inside this process (external_launcher, no
-engine-core process), at most 4096 batched tokens, processed log-probs returned for every token. The gap between the
-two engines is vLLM's cost of running in-process; what remains up to a run's generate phase is TRL's own work.
+engine-core process), at most 4096 batched tokens, processed log-probs. The gap between the two engines is vLLM's
+cost of running in-process.
+
+`--outputs` names what each request asks the engine to return, each timed at every `--prompts` batch size:
+    none   no log-probs, text detokenized (vLLM's default request)
+    trl    TRL's colocated request: the sampled token's log-prob (logprobs=0), text detokenized
+    fast   the same log-probs, no text, flat log-probs (placement.fast_outputs)
+Each is reported as a share of `none`, with the time the log-probs take to parse as a run parses them (TRL's
+extract_logprobs; for `fast`, compat.trl.read_flat_logprobs).
 
     python -m colocated_grpo.bench.vllm_generate --model qwen2.5-1.5b-random --prompts 64 --completion 256 --mem 0.3
+    python -m colocated_grpo.bench.vllm_generate --engine trl --outputs none,trl,fast --prompts 32,128,256,512
 """
 
 from __future__ import annotations
@@ -20,11 +29,35 @@ from pathlib import Path
 
 from colocated_grpo.compat import trl as trl_internals
 
+OUTPUTS = ("none", "trl", "fast")
+
+
+def sampling_kwargs(outputs: str) -> dict:
+    """What a request asks the engine to return, per --outputs variant."""
+    if outputs == "none":
+        return {"logprobs": None}
+    if outputs == "trl":
+        return {"logprobs": 0}
+    from colocated_grpo.compat.vllm import fast_output_kwargs
+
+    return {"logprobs": 0, **fast_output_kwargs()}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _outputs_list(text: str) -> list[str]:
+    names = text.split(",")
+    if unknown := [n for n in names if n not in OUTPUTS]:
+        raise argparse.ArgumentTypeError(f"unknown --outputs {unknown}; choose from {list(OUTPUTS)}")
+    return names
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-0.5b-random", help="a conf/model option or a model directory")
-    parser.add_argument("--prompts", type=int, default=64, help="completions per batch (the GRPO generation batch)")
+    parser.add_argument("--prompts", type=_int_list, default=[64], help="completions per batch, e.g. 32,128,512")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--completion", type=int, default=256, help="tokens generated per completion")
     parser.add_argument("--mem", type=float, default=0.3, help="gpu_memory_utilization")
@@ -36,8 +69,15 @@ def main(argv=None) -> None:
         default="default",
         help="vLLM's default engine, or one built like TRL's colocated engine (see above)",
     )
+    parser.add_argument(
+        "--outputs",
+        type=_outputs_list,
+        default=None,
+        help=f"comma-separated request variants from {list(OUTPUTS)} (default: trl for --engine trl, else none)",
+    )
     parser.add_argument("--json", help="also write the settings and each repeat's tokens/s to this file")
     args = parser.parse_args(argv)
+    args.outputs = args.outputs or ["trl" if args.engine == "trl" else "none"]
     if args.engine == "trl" and args.tp > 1 and "WORLD_SIZE" not in os.environ:
         parser.error(
             f"--engine trl with --tp {args.tp} needs one process per GPU: torchrun --nproc_per_node={args.tp} "
@@ -56,40 +96,75 @@ def main(argv=None) -> None:
         seed=0,
         **engine_kwargs(args.engine),
     )
-    params = SamplingParams(
-        temperature=1.0,
-        max_tokens=args.completion,
-        min_tokens=args.completion,
-        ignore_eos=True,
-        logprobs=0 if args.engine == "trl" else None,
-    )
-    prompts = [
-        {"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(args.prompt_tokens)]} for i in range(args.prompts)
-    ]
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    rates = []
-    for r in range(args.repeats):
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        rates.append(tokens / seconds)
-        print(
-            f"repeat {r}: {tokens} tokens in {seconds:.3f} s = {tokens / seconds:,.0f} tokens/s "
-            f"({args.prompts} × {args.completion}, mem {args.mem}, TP {args.tp})",
-            flush=True,
-        )
+    fixed = {"temperature": 1.0, "max_tokens": args.completion, "min_tokens": args.completion, "ignore_eos": True}
+    results = []
+    for batch in args.prompts:
+        prompts = [
+            {"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range(args.prompt_tokens)]} for i in range(batch)
+        ]
+        for outputs in args.outputs:
+            params = SamplingParams(**fixed, **sampling_kwargs(outputs))
+            _time(llm, prompts[:2], params, 1)  # warm-up, the parser's import included
+            results.append({"prompts": batch, "outputs": outputs, **_time(llm, prompts, params, args.repeats)})
+            r = results[-1]
+            print(
+                f"{batch} × {args.completion}, outputs {outputs}: {_mean(r['tokens_per_s']):,.0f} tokens/s "
+                f"(repeats {', '.join(f'{x:,.0f}' for x in r['tokens_per_s'])}; log-prob parse "
+                f"{_mean(r['parse_s']) * 1e3:.1f} ms), mem {args.mem}, TP {args.tp}",
+                flush=True,
+            )
+    _print_shares(results)
     if args.json:
         from colocated_grpo.run_files import write_json
 
-        settings = {
-            k: getattr(args, k) for k in ("model", "prompts", "prompt_tokens", "completion", "mem", "tp", "engine")
-        }
+        settings = {k: getattr(args, k) for k in ("model", "prompt_tokens", "completion", "mem", "tp", "engine")}
+        settings["prompts"] = args.prompts[0] if len(args.prompts) == 1 else args.prompts
         import psutil
 
         # vLLM's default engine runs in processes of its own; TRL's colocated one in this process (none)
         engine_processes = len(psutil.Process().children(recursive=True))
-        write_json(Path(args.json), {"settings": settings, "tokens_per_s": rates, "engine_processes": engine_processes})
+        write_json(
+            Path(args.json),
+            {
+                "settings": settings,
+                "tokens_per_s": results[0]["tokens_per_s"],  # the first case (the study report reads it)
+                "results": results,
+                "engine_processes": engine_processes,
+            },
+        )
+
+
+def _time(llm, prompts, params, repeats: int) -> dict:
+    """tokens/s of each repeat, and the seconds parsing the outputs' log-probs takes (0 without log-probs): TRL's
+    extract_logprobs, or read_flat_logprobs for flat ones (what a run with placement.fast_outputs uses)."""
+    from colocated_grpo.compat.trl import extract_logprobs, read_flat_logprobs
+
+    parser = read_flat_logprobs if params.flat_logprobs else extract_logprobs  # as a run parses them
+    rates, parse = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+        t0 = time.perf_counter()
+        if params.logprobs is not None:
+            parser(outputs)
+        parse.append(time.perf_counter() - t0)
+    return {"tokens_per_s": rates, "parse_s": parse}
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def _print_shares(results: list[dict]) -> None:
+    """Each variant's rate as a share of the no-log-prob rate at the same batch size."""
+    base = {r["prompts"]: _mean(r["tokens_per_s"]) for r in results if r["outputs"] == "none"}
+    for r in results:
+        if r["prompts"] in base and r["outputs"] != "none":
+            share = _mean(r["tokens_per_s"]) / base[r["prompts"]]
+            r["share_of_none"] = share
+            print(f"{r['prompts']} sequences, outputs {r['outputs']}: {share:.0%} of the no-log-prob rate")
 
 
 def engine_kwargs(engine: str) -> dict:

@@ -15,6 +15,8 @@ The phases (telemetry/phases.py names them):
 from __future__ import annotations
 
 import functools
+import math
+import types
 
 # TRL's colocated engine: LLM(..., distributed_executor_backend="external_launcher", max_num_batched_tokens=4096,
 # logprobs_mode="processed_logprobs") in trl/generation/vllm_generation.py; the generation benchmark mirrors it.
@@ -97,3 +99,123 @@ def generation_batch_size(trainer: dict, world: int) -> int:
         return int(trainer["generation_batch_size"])
     steps = trainer.get("steps_per_generation") or trainer.get("gradient_accumulation_steps", 1)
     return int(trainer.get("per_device_train_batch_size", 8)) * world * int(steps)
+
+
+def extract_logprobs(outputs):
+    """TRL's own parser of the colocated engine's outputs into per-token log-probs and token ids."""
+    return _trl_parser()(outputs)
+
+
+def _trl_parser():
+    import trl.generation.vllm_generation as vllm_generation
+
+    parse = vllm_generation.extract_logprobs
+    return getattr(parse, "trl_original", parse)
+
+
+def read_flat_logprobs(outputs):
+    """extract_logprobs' result, read straight from vLLM's FlatLogprobs where each position holds one entry (TRL's
+    logprobs=0 with flat_logprobs=True); anything else goes to TRL's parser. TRL's parser iterates a FlatLogprobs
+    position by position, which rebuilds the per-token dict and Logprob objects that flat log-probs avoided."""
+    try:
+        from vllm.logprobs import FlatLogprobs
+    except ImportError:  # a vLLM before flat log-probs
+        return _trl_parser()(outputs)
+
+    all_logprobs, all_token_ids = [], []
+    for request in outputs:
+        for output in request.outputs:
+            lp = output.logprobs
+            if lp is None:
+                return None, None
+            if (
+                not isinstance(lp, FlatLogprobs)
+                or lp.start_indices != list(range(len(lp.start_indices)))
+                or len(lp.logprobs) != len(lp.start_indices)
+            ):
+                return _trl_parser()(outputs)
+            all_logprobs.append([[None if math.isnan(x) else x] for x in lp.logprobs])
+            all_token_ids.append([[t] for t in lp.token_ids])
+    return all_logprobs, all_token_ids
+
+
+def install_flat_logprob_reader() -> None:
+    """TRL's colocated generation parses the engine's outputs with read_flat_logprobs (same values, for every
+    trainer of this process; it reads TRL's own outputs only when they are flat with one entry per position)."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    if getattr(vllm_generation.extract_logprobs, "trl_original", None) is None:
+        read_flat_logprobs.trl_original = vllm_generation.extract_logprobs
+        vllm_generation.extract_logprobs = read_flat_logprobs
+
+
+# ----------------------------------------------------------------------------------------- colocated weight sync
+#
+# TRL's VLLMGeneration.sync_weights (trl/generation/vllm_generation.py, `sync_weights`) calls the engine model's
+# `load_weights([(name, tensor)])` once per tensor. Each call re-enters vLLM's loader from the top: the model's
+# `load_weights` builds an AutoWeightsLoader that walks every module (tied embeddings, weight mappers), then descends
+# to the one tensor's layer: Python work of order tensors × modules per sync. The same tensors in one call (or a few,
+# under a memory budget where they are gathered) land the same weights for a fraction of the time.
+
+
+def _engine_model(generation):
+    """The in-process vLLM model, reached the way TRL reaches it."""
+    return generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def fast_sync_plan(generation) -> str | None:
+    """How the colocated weight sync can be batched: "one_call" (DDP, one process), "chunked" (FSDP2: full tensors
+    gathered one by one, loaded in chunks), or None to keep TRL's own sync: server mode, DeepSpeed ZeRO-3 and FSDP1
+    (TRL yields views valid only inside a gather that closes as its generator advances) and PEFT (TRL unmerges the
+    adapters when its generator ends, before a batched call would read the merged weights)."""
+    from accelerate.utils import is_peft_model
+
+    if getattr(generation, "mode", None) != "colocate" or not hasattr(generation, "_iter_named_params"):
+        return None
+    dist = getattr(generation, "_dist", None)
+    if dist is None or dist.is_zero3 or dist.fsdp_version == 1 or is_peft_model(generation.model):
+        return None
+    return "chunked" if dist.fsdp_version == 2 else "one_call"
+
+
+def _batched_sync(generation, chunk_bytes: int | None) -> int:
+    """TRL's sync with batched load_weights calls; returns how many calls it made. chunk_bytes=None: one call."""
+    from trl.generation.vllm_generation import empty_cache
+
+    if generation.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
+        empty_cache()
+        generation.llm.wake_up(tags=["weights"])
+        generation._llm_weights_sleeping = False
+    load = _engine_model(generation).load_weights
+    calls, pending, size = 0, [], 0
+    # TRL's own iterator: its name fixes, and FSDP2's full_tensor() gathers (collectives: every rank iterates).
+    for name, tensor in generation._iter_named_params():
+        pending.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if chunk_bytes is not None and size >= chunk_bytes:
+            load(pending)
+            calls, pending, size = calls + 1, [], 0
+    if pending:
+        load(pending)
+        calls += 1
+    del pending  # FSDP2's gathered copies go before generation
+    generation.llm.reset_prefix_cache()  # as TRL: cached KV was computed with the old weights
+    return calls
+
+
+def install_fast_sync(trainer, chunk_bytes: int) -> str | None:
+    """Batch this trainer's colocated weight sync (see fast_sync_plan); returns the plan, or None where TRL's own
+    sync is kept. Install it before the phase hooks, which then time it as sync_weights."""
+    generation = getattr(trainer, "vllm_generation", None)
+    how = fast_sync_plan(generation) if generation is not None else None
+    if how is None:
+        return None
+    chunk = chunk_bytes if how == "chunked" else None
+
+    def sync_weights(self):
+        self.load_weights_calls = _batched_sync(self, chunk)
+
+    # An instance attribute shadows the class's method for every caller: GRPOTrainer's sync before generation and
+    # VLLMGeneration.generate's re-sync of weights still asleep.
+    generation.sync_weights = types.MethodType(sync_weights, generation)
+    return how

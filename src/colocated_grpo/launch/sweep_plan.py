@@ -18,7 +18,7 @@ from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
 from colocated_grpo.compat.hydra import override_dirname
 from colocated_grpo.run_files import write_json
-from colocated_grpo.training.config import ConfigError, validate
+from colocated_grpo.training.config import ConfigError, gpu_only_problems, validate
 
 
 @dataclasses.dataclass
@@ -115,11 +115,8 @@ def skip_reason(job_cfg: DictConfig, world: int, gpus_here: int | None = None) -
     `gpus_here` says what this machine has (None: the jobs run elsewhere), what its GPUs cannot do."""
     problems = []
     nproc = int(OmegaConf.select(job_cfg, "parallelism.nproc_per_node", default=1))
-    trainer = job_cfg.trainer
-    if gpus_here == 0 and trainer.get("use_vllm") and trainer.get("vllm_enable_sleep_mode"):
-        problems.append(
-            "trainer.vllm_enable_sleep_mode=true (vllm=colocate_sleep) needs a GPU; vLLM on CPU has no sleep mode"
-        )
+    if gpus_here == 0:
+        problems += gpu_only_problems(job_cfg)
     if gpus_here and nproc > gpus_here:
         problems.append(f"parallelism.nproc_per_node={nproc} needs {nproc} GPUs; this machine has {gpus_here}")
     try:

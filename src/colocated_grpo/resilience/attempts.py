@@ -72,6 +72,11 @@ class RunRecord:
             self.data["wandb_id"] = wandb_run.id
         self._save()
 
+    def note(self, **fields) -> None:
+        """Add what is known only once training is set up (e.g. how accelerate distributes the model)."""
+        self.data.update(fields)
+        self._save()
+
     def end(self, status: str, error: BaseException | None = None) -> None:
         self.attempt.update(status=status, ended=run_files.now())
         self.data.update(status=status, ended=self.attempt["ended"])

@@ -40,6 +40,8 @@ MAY_CHANGE = (
     "trainer.vllm_gpu_memory_utilization",
     "trainer.dataloader_num_workers",
     "placement.fast_outputs",  # the same tokens and log-probs either way
+    "placement.fast_sync",  # the same weights reach the engine either way
+    "placement.sync_chunk_gb",
     # server placement picks free ports at every launch
     "trainer.vllm_server_host",
     "trainer.vllm_server_port",

@@ -94,6 +94,11 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
 
     problems += _model_problems(cfg.model)
     problems += _run_problems(cfg)
+    if cfg.placement.get("fast_sync") and not float(cfg.placement.sync_chunk_gb) > 0:
+        problems.append(
+            f"placement.sync_chunk_gb={cfg.placement.sync_chunk_gb} must be above 0 (GiB of gathered FSDP2 weights "
+            "loaded into vLLM at once, e.g. 1.0)"
+        )
 
     if OmegaConf.select(cfg, "telemetry.enabled") and int(trainer.get("logging_steps", 500)) != 1:
         problems.append(
@@ -106,6 +111,22 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
 
     if problems:
         raise ConfigError(problems)
+
+
+def gpu_only_problems(cfg: DictConfig) -> list[str]:
+    """What this config needs a GPU for; checked where the job runs (or, for a sweep, on the machine it runs on)."""
+    problems = []
+    trainer = cfg.trainer
+    if trainer.get("use_vllm") and trainer.get("vllm_enable_sleep_mode"):
+        problems.append(
+            "trainer.vllm_enable_sleep_mode=true (vllm=colocate_sleep) needs a GPU; vLLM on CPU has no sleep mode"
+        )
+    if cfg.parallelism.name == "fsdp":
+        problems.append(
+            "parallelism=fsdp needs GPUs: accelerate turns FSDP on only for GPU-like devices, so on CPU it would "
+            "train plain DDP under an FSDP name; use parallelism=ddp here"
+        )
+    return problems
 
 
 def _run_problems(cfg: DictConfig) -> list[str]:

@@ -29,6 +29,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     run_dir = Path(run_dir or hydra_internals.output_dir()).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config.validate(cfg)
+    _refuse_gpu_only_settings_without_gpu(cfg)
     main = is_main_process()
     held = checkpoints.lock(run_dir) if main else None
     try:
@@ -62,6 +63,8 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
     try:
         with stopper.installed():
             trainer = _start_trainer(cfg, run_dir)
+            # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
+            record.note(distributed_type=trainer.accelerator.distributed_type.value)
             trainer.add_callback(wandb_rewind.RecordWandbStep())
             if cfg.run.stop_on_nonfinite:
                 trainer.add_callback(StopOnNonFinite())
@@ -119,6 +122,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
         callbacks=[metrics_file],
     )
     trl_internals.reseed_generation(trainer, int(cfg.seed))
+    if args.use_vllm and args.vllm_mode == "colocate" and cfg.placement.get("fast_outputs"):
+        trl_internals.install_flat_logprob_reader()
+    if cfg.placement.get("fast_sync"):
+        chunk_bytes = int(float(cfg.placement.sync_chunk_gb) * 2**30)
+        how = trl_internals.install_fast_sync(trainer, chunk_bytes)
+        log.info("weight sync: %s", how or "TRL's own (no batched sync for this backend)")
     if cfg.telemetry.enabled:
         t = cfg.telemetry
         telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
@@ -130,6 +139,13 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
 def is_main_process() -> bool:
     """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): it writes run files and W&B."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def _refuse_gpu_only_settings_without_gpu(cfg: DictConfig) -> None:
+    import torch
+
+    if not torch.cuda.is_available() and (problems := config.gpu_only_problems(cfg)):
+        raise config.ConfigError(problems)
 
 
 def _prepare_environment(cfg: DictConfig) -> None:

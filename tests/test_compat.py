@@ -1,0 +1,73 @@
+"""What compat/ knows of TRL's internals, checked against TRL itself on synthetic engine outputs."""
+
+from types import SimpleNamespace
+
+import pytest
+from trl.generation.vllm_generation import extract_logprobs
+from vllm.logprobs import FlatLogprobs, Logprob
+
+from colocated_grpo.compat import trl as trl_internals
+
+
+def _request(*sequences):
+    return SimpleNamespace(outputs=[SimpleNamespace(logprobs=s) for s in sequences])
+
+
+def _flat(positions):
+    flat = FlatLogprobs()
+    for position in positions:
+        flat.append({token: Logprob(logprob=value, rank=rank) for token, value, rank in position})
+    return flat
+
+
+def test_flat_log_probs_read_directly_equal_trls_parser_nan_included():
+    sequences = [_flat([[(5, -0.5, 1)], [(9, float("nan"), 1)], [(2, -3.25, 4)]]), _flat([[(7, -0.1, 1)]])]
+    outputs = [_request(sequences[0]), _request(sequences[1])]
+    fast = trl_internals.read_flat_logprobs(outputs)
+    assert fast == extract_logprobs(outputs)
+    assert fast == ([[[-0.5], [None], [-3.25]], [[-0.1]]], [[[5], [9], [2]], [[7]]])
+
+
+def test_anything_but_one_flat_entry_per_position_goes_to_trls_parser():
+    top2 = _flat([[(5, -0.5, 1), (6, -1.5, 2)], [(9, -0.2, 1), (1, -2.0, 2)]])  # logprobs=1: two per position
+    as_dicts = [{3: Logprob(logprob=-0.7, rank=1)}]
+    for outputs in ([_request(top2)], [_request(as_dicts)]):
+        assert trl_internals.read_flat_logprobs(outputs) == extract_logprobs(outputs)
+    assert trl_internals.read_flat_logprobs([_request(None)]) == (None, None)
+
+
+def test_installed_reader_is_what_trl_calls_and_trls_own_stays_reachable():
+    import trl.generation.vllm_generation as vllm_generation
+
+    original = vllm_generation.extract_logprobs
+    try:
+        trl_internals.install_flat_logprob_reader()
+        trl_internals.install_flat_logprob_reader()  # twice: still one wrapper
+        assert vllm_generation.extract_logprobs is trl_internals.read_flat_logprobs
+        assert trl_internals.extract_logprobs.__module__ == trl_internals.__name__
+        assert trl_internals._trl_parser() is original
+    finally:
+        vllm_generation.extract_logprobs = original
+
+
+def _generation(mode="colocate", zero3=False, fsdp=None):
+    return SimpleNamespace(
+        mode=mode,
+        _iter_named_params=lambda: iter(()),
+        _dist=SimpleNamespace(is_zero3=zero3, fsdp_version=fsdp),
+        model=SimpleNamespace(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("generation", "plan"),
+    [
+        (_generation(), "one_call"),
+        (_generation(fsdp=2), "chunked"),
+        (_generation(fsdp=1), None),
+        (_generation(zero3=True), None),
+        (_generation(mode="server"), None),
+    ],
+)
+def test_weight_sync_is_batched_only_where_trls_tensors_outlive_its_iterator(generation, plan):
+    assert trl_internals.fast_sync_plan(generation) == plan
