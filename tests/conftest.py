@@ -14,6 +14,8 @@ import pytest
 from colocated_grpo.launch.processes import TRAIN_SCRIPT, free_port, torchrun_command
 from colocated_grpo.run_files import read_jsonl
 
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
 # A test that uses one of these starts real processes: train.py, a sweep, torchrun, vLLM.
 E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
 
@@ -48,7 +50,14 @@ class Run:
 @pytest.fixture(scope="session")
 def run_env(model_cache) -> dict:
     """The environment of a run or sweep in the tests: the session's model cache, W&B offline, unbuffered output."""
-    return {**os.environ, "COLOCATED_GRPO_CACHE": str(model_cache), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    plugins = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
+    return {
+        **os.environ,
+        "COLOCATED_GRPO_CACHE": str(model_cache),
+        "WANDB_MODE": "offline",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": plugins,  # tests/plugins: reward modules for `+reward.modules=[…]`
+    }
 
 
 @pytest.fixture(scope="session")

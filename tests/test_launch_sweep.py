@@ -425,7 +425,7 @@ def test_two_slurm_tasks_form_one_multi_node_torchrun(run_env, tmp_path):
         nnodes=2,
     )
     task = (
-        "import json, sys; from colocated_grpo.launch import sweep_slurm as sweep; "
+        "import json, sys; from colocated_grpo.launch import sweep_plan, sweep_slurm; "
         "sweep_slurm.run_on_node(sweep_plan.Job(**json.loads(sys.argv[1])), sweep_plan.Options(script=sys.argv[2]))"
     )
     slurm = {

@@ -3,7 +3,7 @@
 Loaded by runs that put this directory on PYTHONPATH and set `+reward.modules=[faulty_rewards]`.
 """
 
-from colocated_grpo.rewards import register
+from colocated_grpo.training.rewards import register
 
 
 @register

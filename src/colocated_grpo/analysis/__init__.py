@@ -7,11 +7,35 @@ plots      the figures (needs the `notebooks` extra: matplotlib)
 notebook   run a notebook headless with parameters
 """
 
-from colocated_grpo.analysis.frames import load_gpu_samples, load_phases, load_run, newest_dir
-from colocated_grpo.analysis.tables import load_jobs, load_sweep, missing, print_summary, write_summary
+from colocated_grpo.analysis.frames import (
+    PHASE_COLUMNS,
+    SAMPLE_COLUMNS,
+    load_gpu_samples,
+    load_phases,
+    load_run,
+    newest_dir,
+)
+from colocated_grpo.analysis.tables import (
+    COLUMNS,
+    PLACEMENT_KEYS,
+    SUMMARY_KEYS,
+    load_jobs,
+    load_sweep,
+    missing,
+    print_summary,
+    run_placement,
+    run_summary,
+    summary_row,
+    write_summary,
+)
 from colocated_grpo.analysis.wandb_api import load_wandb_run, load_wandb_sweep
 
 __all__ = [
+    "COLUMNS",
+    "PHASE_COLUMNS",
+    "PLACEMENT_KEYS",
+    "SAMPLE_COLUMNS",
+    "SUMMARY_KEYS",
     "load_gpu_samples",
     "load_jobs",
     "load_phases",
@@ -22,5 +46,8 @@ __all__ = [
     "missing",
     "newest_dir",
     "print_summary",
+    "run_placement",
+    "run_summary",
+    "summary_row",
     "write_summary",
 ]

@@ -52,9 +52,9 @@ def rows(out: Path, study: dict) -> list[dict]:
     table = []
     for model in study["models"]:
         by_case = {case: _case_row(out / "runs" / model / case, model, case) for case in study["cases"]}
-        base = by_case[study["baseline"]]["step_s"]
+        base = by_case[study["baseline"]].get("step_s")
         for row in by_case.values():
-            if base and row["step_s"]:
+            if base and row.get("step_s"):
                 row["speedup_vs_baseline"] = base / row["step_s"]  # same work per step: time ratio = throughput ratio
             table.append({key: row.get(key) for key in COLUMNS})
     return table
