@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,19 @@ def train(run_env, tmp_path_factory):
         return run
 
     return _train
+
+
+def start_own_session(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    """`cmd` in a session of its own (signalled like a terminal would signal it), its output captured as text."""
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def wait_for_file(proc: subprocess.Popen, directory: Path, pattern: str, timeout_s: float = 180) -> None:
+    """Wait until `directory` holds a file matching `pattern` (e.g. `0_*/run.json`: a job's training started);
+    fail with the process's output when it ends first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not list(directory.glob(pattern)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.5)

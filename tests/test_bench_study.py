@@ -10,6 +10,7 @@ import sys
 import pandas as pd
 import pytest
 import yaml
+from conftest import start_own_session, wait_for_file
 
 from colocated_grpo.bench.study import definition as study
 from colocated_grpo.bench.study import report as study_report
@@ -117,7 +118,6 @@ def test_running_again_keeps_finished_cases(tiny_study, run_env, tmp_path):
 def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, tmp_path):
     import os
     import signal
-    import time
 
     import psutil
 
@@ -132,20 +132,11 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, t
             }
         )
     )
-    study_proc = subprocess.Popen(
-        [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", "out"],
-        cwd=tmp_path,
-        env=run_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    study_proc = start_own_session(
+        [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", "out"], tmp_path, run_env
     )
     try:
-        deadline = time.monotonic() + 180
-        while not list(out.glob("runs/tiny/long/0_*/run.json")):  # the case's training has started
-            assert study_proc.poll() is None and time.monotonic() < deadline, study_proc.stdout.read()
-            time.sleep(0.5)
+        wait_for_file(study_proc, out, "runs/tiny/long/0_*/run.json")  # the case's training has started
         children = psutil.Process(study_proc.pid).children(recursive=True)
         os.kill(study_proc.pid, signal.SIGINT)
         output, _ = study_proc.communicate(timeout=120)
@@ -159,13 +150,20 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, t
     assert not (out / "runs" / "tiny" / "next").exists(), "nothing after the interrupted case started"
 
 
+def test_a_baseline_mapping_names_cases_only(tmp_path):
+    path = tmp_path / "pairs.yaml"
+    path.write_text(yaml.safe_dump({"models": ["tiny"], "cases": {"a": [], "b": []}, "baseline": {"a": "c"}}))
+    with pytest.raises(SystemExit, match=r"baseline: \['c'\] must be cases of \['a', 'b'\]"):
+        study.load(path)
+
+
 def test_bad_study_definitions_are_refused(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"models": [], "cases": {"a": "vllm=none"}, "baseline": "b"}))
     with pytest.raises(SystemExit) as err:
         study.load(path)
     message = str(err.value)
-    assert "models: list at least one" in message and "baseline: 'b' must be one of" in message
+    assert "models: list at least one" in message and "baseline: ['b'] must be cases of" in message
     assert "a: give a list of arguments" in message
 
 
@@ -211,3 +209,19 @@ def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):
         table.loc[("qwen2.5-1.5b-random", "colocate_tp1_mem0.3")],
     )
     assert sleep["sleep_wake_s"] > 0 and sleep["train_mem_gb"] < awake["train_mem_gb"] / 2
+
+
+def test_the_committed_fast_outputs_results_regenerate_and_compare_each_case_with_its_pair(tmp_path):
+    """sweeps/results/fast_outputs_h200: each fast case's speed-up is against the TRL case of the same work."""
+    import shutil
+
+    kept = REPO / "sweeps" / "results" / "fast_outputs_h200"
+    copy = tmp_path / "fast_outputs_h200"
+    shutil.copytree(kept, copy, ignore=shutil.ignore_patterns("results.*", "study.png"))
+    study_report.report(copy)
+    assert pd.read_csv(copy / "results.csv").equals(pd.read_csv(kept / "results.csv"))
+    table = pd.read_csv(kept / "results.csv").set_index(["model", "case"])
+    for n in (32, 128, 256):
+        trl, fast = table.loc[("qwen2.5-1.5b-random", f"trl_{n}")], table.loc[("qwen2.5-1.5b-random", f"fast_{n}")]
+        assert math.isnan(trl["speedup_vs_baseline"])
+        assert fast["speedup_vs_baseline"] == pytest.approx(trl["step_s"] / fast["step_s"], rel=1e-3)

@@ -9,12 +9,12 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
 import psutil
 import pytest
+from conftest import start_own_session, wait_for_file
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -176,21 +176,10 @@ def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(run_env, tmp_path):
         "logger=none",
         "hydra.launcher.stop_grace_s=20",
     ]
-    parent = subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        env=run_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    parent = start_own_session(cmd, tmp_path, run_env)
     try:
-        deadline = time.monotonic() + 180
         # wait until job 0's training process has started its run (run.json), then press Ctrl-C
-        while not list(sweep_dir.glob("0_*/run.json")):
-            assert parent.poll() is None and time.monotonic() < deadline, parent.stdout.read()
-            time.sleep(0.5)
+        wait_for_file(parent, sweep_dir, "0_*/run.json")
         job_procs = psutil.Process(parent.pid).children(recursive=True)
         assert len(job_procs) >= 2, "torchrun and its worker"
         os.kill(parent.pid, signal.SIGINT)

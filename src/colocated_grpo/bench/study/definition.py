@@ -17,7 +17,8 @@ from colocated_grpo.run_files import read_json
 
 
 def load(path: str | Path) -> dict:
-    """A study definition, checked: models, cases (name: overrides), baseline (a case), optional common and bench."""
+    """A study definition, checked: models, cases (name: overrides), baseline (a case, or a mapping from cases to
+    the case each is compared with), optional common and bench."""
     study = yaml.safe_load(Path(path).read_text())
     problems = []
     if not isinstance(study, dict):
@@ -26,8 +27,11 @@ def load(path: str | Path) -> dict:
         problems.append("models: list at least one conf/model option")
     if not isinstance(study.get("cases"), dict) or not study["cases"]:
         problems.append("cases: map each case name to its list of overrides")
-    elif study.get("baseline") not in study["cases"]:
-        problems.append(f"baseline: {study.get('baseline')!r} must be one of the cases {list(study['cases'])}")
+    else:
+        named = study.get("baseline")
+        named = [*named.keys(), *named.values()] if isinstance(named, dict) else [named]
+        if unknown := [b for b in named if b not in study["cases"]]:
+            problems.append(f"baseline: {unknown} must be cases of {list(study['cases'])}")
     for name, value in {**(study.get("cases") or {}), **(study.get("bench") or {})}.items():
         if not isinstance(value, list):
             problems.append(f"{name}: give a list of arguments, not {value!r}")
@@ -36,6 +40,13 @@ def load(path: str | Path) -> dict:
     study.setdefault("common", [])
     study.setdefault("bench", {})
     return study
+
+
+def baselines(study: dict) -> dict[str, str]:
+    """case → the case its speed-up is measured against (one baseline for all, or the study's pairs)."""
+    if isinstance(study["baseline"], dict):
+        return dict(study["baseline"])
+    return dict.fromkeys(study["cases"], study["baseline"])
 
 
 def case_command(study: dict, model: str, case: str, case_dir: Path) -> list[str]:

