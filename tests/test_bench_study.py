@@ -193,16 +193,22 @@ def test_every_case_of_the_shipped_studies_composes_and_validates(definition):
                 assert completions == COMPLETIONS_PER_STEP[definition.stem](case), f"{case}: the work it says it does"
 
 
-def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):
-    """results.csv in sweeps/results/h200_x2 is what `study report` makes of the run files kept beside it."""
+def _regenerated(name: str, tmp_path):
+    """The committed study sweeps/results/NAME reported again from its run files; its results.csv must come out the
+    same. Returns the committed table, indexed by model and case."""
     import shutil
 
-    kept = REPO / "sweeps" / "results" / "h200_x2"
-    copy = tmp_path / "h200_x2"
+    kept = REPO / "sweeps" / "results" / name
+    copy = tmp_path / name
     shutil.copytree(kept, copy, ignore=shutil.ignore_patterns("results.*", "study.png"))
     study_report.report(copy)
     assert pd.read_csv(copy / "results.csv").equals(pd.read_csv(kept / "results.csv"))
-    table = pd.read_csv(kept / "results.csv").set_index(["model", "case"])
+    return pd.read_csv(kept / "results.csv").set_index(["model", "case"])
+
+
+def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):
+    """results.csv in sweeps/results/h200_x2 is what `study report` makes of the run files kept beside it."""
+    table = _regenerated("h200_x2", tmp_path)
     assert (table["status"] == "finished").all() and len(table) == 12
     sleep, awake = (
         table.loc[("qwen2.5-1.5b-random", "colocate_sleep_tp1_mem0.3")],
@@ -213,14 +219,7 @@ def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):
 
 def test_the_committed_fast_outputs_results_regenerate_and_compare_each_case_with_its_pair(tmp_path):
     """sweeps/results/fast_outputs_h200: each fast case's speed-up is against the TRL case of the same work."""
-    import shutil
-
-    kept = REPO / "sweeps" / "results" / "fast_outputs_h200"
-    copy = tmp_path / "fast_outputs_h200"
-    shutil.copytree(kept, copy, ignore=shutil.ignore_patterns("results.*", "study.png"))
-    study_report.report(copy)
-    assert pd.read_csv(copy / "results.csv").equals(pd.read_csv(kept / "results.csv"))
-    table = pd.read_csv(kept / "results.csv").set_index(["model", "case"])
+    table = _regenerated("fast_outputs_h200", tmp_path)
     for n in (32, 128, 256):
         trl, fast = table.loc[("qwen2.5-1.5b-random", f"trl_{n}")], table.loc[("qwen2.5-1.5b-random", f"fast_{n}")]
         assert math.isnan(trl["speedup_vs_baseline"])

@@ -20,7 +20,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from colocated_grpo import run_files
-from colocated_grpo.compat.wandb import history, history_row, is_history, records, truncate
+from colocated_grpo.compat.wandb import history, history_row, is_history, records, trainer_metric_names, truncate
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,6 @@ def _after_train_step(step: int):
 def backfill(run, run_dir: Path, step: int) -> list[int]:
     """Log into `run` (the new segment) the steps up to `step` that metrics.jsonl has and no earlier offline
     segment kept; returns them. Skipped when an earlier segment was online (the server may hold rows we cannot see)."""
-    from transformers.integrations.integration_utils import rewrite_logs
-
     if getattr(run, "disabled", False):
         return []
     current = Path(run.dir).parent.name
@@ -109,7 +107,7 @@ def backfill(run, run_dir: Path, step: int) -> list[int]:
         if s is None or s > step or s in present:
             continue
         values = {k: _number(v) for k, v in record.items() if k != STEP_KEY and v is not None}
-        run.log({**rewrite_logs(values), STEP_KEY: s})
+        run.log({**trainer_metric_names(values), STEP_KEY: s})
         logged.append(s)
     return logged
 
