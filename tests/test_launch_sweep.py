@@ -459,3 +459,12 @@ def test_submitit_local_executor_runs_a_job_through_the_slurm_code_path(run_swee
     assert read_json(by_num[0]["path"] / "run.json")["status"] == "finished"
     assert list((sweep_dir / ".submitit").glob("*/*_submitted.pkl")), "it went through submitit"
     assert list(pd.read_csv(sweep_dir / "summary.csv")["status"]) == ["finished", "skipped"]
+
+
+def test_hydras_basic_launcher_is_refused_before_any_job_runs(run_sweep):
+    """The basic launcher would run every job in this one process; a finished job ends its process."""
+    proc, sweep_dir = run_sweep("seed=0,1", "hydra/launcher=basic", "logger=none")
+    assert proc.returncode != 0
+    assert "hydra/launcher=basic runs every job of this multirun inside one process" in proc.stderr
+    assert "hydra/launcher=torchrun" in proc.stderr
+    assert not list(sweep_dir.rglob("run.json")), "nothing ran"

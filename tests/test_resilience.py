@@ -130,7 +130,7 @@ def test_sigkill_then_rerun_resumes_with_continuous_steps(killed_then_resumed):
     assert max(r.before.steps) > k, "the kill must leave steps after the checkpoint for this test to mean anything"
     assert f"resuming {r.dir} from checkpoint-{k}, step {k}" in r.second.output
     assert r.second.steps() == list(range(1, 13)), "every step exactly once, in order"
-    assert r.second.steps("rollouts.jsonl") == list(range(0, 12)), "rollouts are recorded before the step counts"
+    assert r.second.steps("rollouts.jsonl") == list(range(1, 13)), "rollouts carry the step they are trained in"
     final = json.loads((r.dir / "checkpoint-12" / "trainer_state.json").read_text())
     assert final["global_step"] == 12 and final["max_steps"] == 12
     # Continuing the trainer state, not starting over: the linear schedule goes on where the checkpoint left it.
@@ -224,6 +224,33 @@ def test_sigterm_saves_a_checkpoint_finishes_wandb_and_exits_143(model_cache, tm
     assert [r["train/global_step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 11))
     segments = wandb_rewind.segments(run_dir / "wandb", run["wandb_id"])
     assert [step for s in segments for step in main_rows(s)] == list(range(1, 11))
+
+
+def test_ctrl_c_while_the_model_and_engine_load_interrupts_and_the_same_command_starts_afresh(model_cache, tmp_path):
+    """Before the first step nothing was trained: exit 130, run.json says interrupted, and the directory is not
+    dead: the same command runs the whole run."""
+    run_dir = tmp_path / "run"
+    overrides = ("trainer.max_steps=2", "logger=none")
+    first = Job(run_dir, model_cache, *overrides)
+    first.wait_until(lambda: "Loading weights" in first.output)  # inside the trainer's start-up
+    first.signal_group(signal.SIGINT)
+    assert first.wait() == 130, first.output[-4000:]
+    assert "training stopped by SIGINT before its first step" in first.output
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["status"] == "interrupted" and not first.steps()
+    again = Job(run_dir, model_cache, *overrides)
+    assert again.wait() == 0, again.output[-4000:]
+    assert again.steps() == [1, 2]
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["status"] == "finished" and [a["status"] for a in run["attempts"]] == ["interrupted", "finished"]
+
+
+def test_a_run_that_trains_nothing_fails_saying_why(job):
+    """Fewer prompts than one generation batch: TRL stops at step 0; that is no finished run."""
+    j = job("vllm=none", "data.num_samples=1", "trainer.per_device_train_batch_size=8", "logger=none", check=False)
+    assert j.proc.returncode != 0
+    assert "without training a step: the dataset holds fewer prompts than one generation batch" in j.output
+    assert json.loads((j.dir / "run.json").read_text())["status"] == "failed"
 
 
 def test_torchrun_forwards_sigterm_and_both_ranks_stop_at_the_same_step(model_cache, tmp_path):
@@ -404,10 +431,10 @@ def test_trim_run_files_keeps_each_step_once(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         "".join(json.dumps({"train/global_step": s, "loss": s}) + "\n" for s in range(1, 7)) + '{"train/glo'
     )
-    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in range(6)))
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in range(1, 7)))
     assert checkpoints.trim_run_files(tmp_path, 4) == {"metrics.jsonl": 3, "rollouts.jsonl": 2}
     assert [r["train/global_step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert [r["train/global_step"] for r in read_jsonl(tmp_path / "rollouts.jsonl")] == [0, 1, 2, 3]
+    assert [r["train/global_step"] for r in read_jsonl(tmp_path / "rollouts.jsonl")] == [1, 2, 3, 4]
 
 
 def test_wandb_rewind_cuts_offline_segment_at_the_checkpoint(tmp_path):

@@ -67,6 +67,11 @@ def _fails(match, *overrides, world=None):
         validate(cfg, world)
 
 
+@pytest.mark.parametrize("steps", [0, -2])
+def test_max_steps_must_train_something(steps):
+    _fails(f"trainer.max_steps={steps} must be a positive number of steps, or -1", f"trainer.max_steps={steps}")
+
+
 def test_tp_must_divide_world_size():
     _fails(
         r"trainer.vllm_tensor_parallel_size=2 must divide the world size 3.*use one of \[1, 3\]",

@@ -28,6 +28,7 @@ def test_default_run_trains_three_steps_and_writes_run_files(default_run):
     assert "trainer:" in (default_run.dir / "config.yaml").read_text()
     rollouts = default_run.rollouts()
     assert len(rollouts) == 3 and all(len(r["completions"]) == 4 for r in rollouts)
+    assert [r["train/global_step"] for r in rollouts] == [1, 2, 3], "the steps metrics.jsonl names them by"
 
 
 def test_default_run_records_phase_timings_and_throughput(default_run):

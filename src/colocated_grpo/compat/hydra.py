@@ -22,6 +22,18 @@ def output_dir() -> str:
     return HydraConfig.get().runtime.output_dir
 
 
+def in_process_multirun_launcher() -> str | None:
+    """The launcher's name (hydra/launcher) when this job runs inside a multirun's own process (Hydra's basic
+    launcher does that; the torchrun launchers start each job as a fresh `train.py` run instead); else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    config = HydraConfig.get()
+    if config.mode != RunMode.MULTIRUN:
+        return None
+    return config.runtime.choices.get("hydra/launcher") or str(config.launcher.get("_target_"))
+
+
 def override_dirname(overrides: list[str], spec) -> str:
     """Hydra's `hydra.job.override_dirname` of `overrides`, with `spec` = hydra.job.config.override_dirname."""
     from hydra._internal.config_loader_impl import get_overrides_dirname

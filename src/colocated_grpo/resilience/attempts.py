@@ -101,8 +101,9 @@ def resume_command(run_dir: Path) -> str:
 
 
 def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> TrainingInterrupted | None:
-    """The exit to take after training returned, when a signal cut it short (None when every step ran)."""
-    if stopper.signum is None or state.global_step >= state.max_steps:
+    """The exit to take after training returned, when a signal cut it short (None when every step ran). A signal
+    before the first step (while the model and the engine load) always interrupts: nothing was trained."""
+    if stopper.signum is None or (stopper.stopped_at is not None and state.global_step >= state.max_steps):
         return None
     name = signal.Signals(stopper.signum).name
     if stopper.stopped_at is None:

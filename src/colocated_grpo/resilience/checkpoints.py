@@ -54,9 +54,6 @@ MAY_CHANGE = (
     "logger.tags",
     "logger.group",
 )
-# Files whose records carry the step *being generated* (TRL calls rewards before it increments global_step):
-# step k's rollouts are recorded with train/global_step = k - 1.
-GENERATION_KEYED = (run_files.ROLLOUTS,)
 
 
 class ResumeError(RuntimeError):
@@ -199,9 +196,8 @@ def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
     duplicates or gaps (and a torn last line of a killed writer goes too). Returns the dropped count per file."""
     dropped = {}
     for path in sorted(Path(run_dir).glob("*.jsonl")):
-        generation_keyed = path.name in GENERATION_KEYED
         records = read_jsonl(path)
-        keep = [r for r in records if _keeps(r.get(STEP_KEY), step, generation_keyed)]
+        keep = [r for r in records if r.get(STEP_KEY) is None or r[STEP_KEY] <= step]
         with open(path, encoding="utf-8") as f:
             total_lines = sum(1 for _ in f)  # torn lines included: read_jsonl skipped them
         if len(keep) == total_lines:
@@ -212,12 +208,6 @@ def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
         os.replace(tmp, path)
         dropped[path.name] = total_lines - len(keep)
     return dropped
-
-
-def _keeps(record_step, step: int, generation_keyed: bool) -> bool:
-    if record_step is None:
-        return True
-    return record_step < step if generation_keyed else record_step <= step
 
 
 def remove_incomplete(run_dir: Path) -> list[str]:

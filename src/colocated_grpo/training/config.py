@@ -92,6 +92,12 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
         if name not in rewards.REGISTRY:
             problems.append(f"reward.weights.{name}: unknown reward '{name}'; registered: {sorted(rewards.REGISTRY)}")
 
+    max_steps = trainer.get("max_steps", -1)
+    if not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
+        problems.append(
+            f"trainer.max_steps={max_steps} must be a positive number of steps, or -1 to train "
+            "trainer.num_train_epochs over the dataset"
+        )
     problems += _model_problems(cfg.model)
     problems += _run_problems(cfg)
     if cfg.placement.get("fast_sync") and not float(cfg.placement.sync_chunk_gb) > 0:

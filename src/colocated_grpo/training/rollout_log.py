@@ -21,7 +21,8 @@ def recording(reward_fn, run_dir: Path):
         state = columns.get("trainer_state")
         writer.write(
             {
-                STEP_KEY: state.global_step if state is not None else None,
+                # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
+                STEP_KEY: state.global_step + 1 if state is not None else None,
                 "prompts": [p if isinstance(p, str) else p[-1]["content"] for p in prompts],
                 "completions": [completion_text(c) for c in completions],
                 reward_fn.__name__: scores,

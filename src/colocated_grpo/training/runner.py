@@ -20,6 +20,10 @@ from colocated_grpo.training import config, data, models, rewards, rollout_log, 
 log = logging.getLogger(__name__)
 
 
+class NothingTrained(RuntimeError):
+    """Training returned without a single step; the message says the likely cause and what to change."""
+
+
 def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     """Train one GRPO job as configured; returns the run directory. Every rank calls this.
 
@@ -73,6 +77,13 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
                 checkpoint = resume.checkpoint
                 trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
         interrupted = attempts.interruption(stopper, trainer.state, run_dir, resume_command)
+        if interrupted is None and trainer.state.global_step == 0:
+            raise NothingTrained(
+                f"training ended at step {trainer.state.global_step} without training a step: the dataset holds fewer "
+                "prompts than one generation batch (trainer.per_device_train_batch_size × processes × "
+                "steps_per_generation / trainer.num_generations), or the run had already reached trainer.max_steps; "
+                "use more data (data.num_samples), a smaller batch, or a higher trainer.max_steps"
+            )
         status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
     except KeyboardInterrupt:
         status, exit_code = "interrupted", 130
