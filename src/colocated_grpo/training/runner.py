@@ -32,25 +32,26 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     """
     run_dir = Path(run_dir or hydra_internals.output_dir()).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    config.validate(cfg)
+    world = launched_world_size(cfg)
+    config.validate(cfg, world)
     _refuse_gpu_only_settings_without_gpu(cfg)
     main = is_main_process()
     held = checkpoints.lock(run_dir) if main else None
     try:
-        return _run(cfg, run_dir, main)
+        return _run(cfg, run_dir, main, world)
     finally:
         if held is not None:
             held.release()
 
 
-def _run(cfg: DictConfig, run_dir: Path, main: bool) -> Path:
+def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int) -> Path:
     resume = checkpoints.plan(cfg, run_dir, main)
     resume_command = attempts.resume_command(run_dir)
     _prepare_environment(cfg)
 
     metadata = {
         "placement": cfg.placement.name,
-        "world_size": config.world_size(cfg),
+        "world_size": world,
         "git": provenance.git_state(),
         "versions": provenance.package_versions(),
         "command": sys.argv,
@@ -145,6 +146,29 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
         trainer.add_callback(telemetry)
         metrics_file.extras.append(telemetry.pop_step_metrics)
     return trainer
+
+
+def launched_world_size(cfg: DictConfig) -> int:
+    """The processes this run really has (torchrun's WORLD_SIZE; a plain `python train.py` is one), which every check
+    and per-GPU number uses. parallelism.nproc_per_node only tells a launcher how many to start: a run started
+    otherwise says so when the two disagree."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    wanted = int(cfg.parallelism.nproc_per_node)
+    if wanted != here and is_main_process():
+        log.warning(
+            "parallelism.nproc_per_node=%d, but this run has %d process(es) on this node (world size %d): the "
+            "world size is %d, and per-GPU numbers count %d GPU(s). parallelism.nproc_per_node tells a launcher how "
+            "many processes to start: torchrun --nproc_per_node=%d train.py …, or python train.py -m … (the torchrun "
+            "launcher)",
+            wanted,
+            here,
+            world,
+            world,
+            world,
+            wanted,
+        )
+    return world
 
 
 def is_main_process() -> bool:
