@@ -3,6 +3,10 @@
 import hydra
 from omegaconf import DictConfig
 
+from colocated_grpo.launch import run_start
+
+run_start.register()  # ${run_start:…} in conf/train.yaml: one run directory for all ranks
+
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
