@@ -474,6 +474,9 @@ def test_redaction_of_credential_keys_and_environment_values(monkeypatch):
         "trainer": {"hub_token": None, "pad_token": "<pad>"},
         "command": ["train.py", "+data.token=<redacted>", "note=<redacted>"],
     }
+    # Hydra's hydra.yaml names a job after its overrides, after another key on the same line
+    line = "    override_dirname: +logger.api_key=sk-0123456789,trainer.pad_token=x,seed=1"
+    assert redaction.redact_text(line) == "    override_dirname: +logger.api_key=<redacted>,trainer.pad_token=x,seed=1"
 
 
 def test_config_rejects_an_unknown_resume_mode_and_an_unimportable_reward_module():

@@ -157,11 +157,18 @@ def test_seed_changes_rollouts_and_same_seed_replicates(train):
     assert not any(k.startswith("timing_s/") for m in first.metrics() for k in m), "telemetry=off logs no timings"
 
 
-def test_bad_config_fails_before_loading_anything(train):
-    run = train("trainer.vllm_gpu_memory_utilization=1.5", check=False)
+def test_bad_config_fails_before_loading_anything_recorded_in_run_json_without_secrets(train):
+    secret = "sk-sentinel-0123456789abcdef"
+    run = train("trainer.vllm_gpu_memory_utilization=1.5", f"+logger.api_key={secret}", check=False)
     assert run.proc.returncode != 0
-    assert "trainer.vllm_gpu_memory_utilization=1.5 must be strictly between 0 and 1" in run.output
+    message = "trainer.vllm_gpu_memory_utilization=1.5 must be strictly between 0 and 1"
+    assert message in run.output
     assert not (run.dir / "metrics.jsonl").exists()
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "failed" and message in record["error"]
+    written = [p for p in run.dir.rglob("*") if p.is_file()]
+    assert any(p.parent.name == ".hydra" for p in written), "Hydra's own record is there, redacted"
+    assert not [p for p in written if secret in p.read_text(errors="replace")], "no file holds the credential"
 
 
 # TRL's sampling metrics are functions of the engine's sampled log-probs (beside the trainer's own, which depend

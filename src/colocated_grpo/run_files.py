@@ -15,6 +15,7 @@ STEP_KEY = "train/global_step"
 
 # A run directory (`hydra.run.dir`), written by rank 0:
 CONFIG = "config.yaml"  # the resolved config, credentials redacted
+HYDRA = ".hydra"  # Hydra's own record of the job (config, overrides, hydra.yaml), credentials redacted
 RUN = "run.json"  # placement, world size, git sha, package versions, overrides, W&B id, status, each attempt
 METRICS = "metrics.jsonl"  # one line per logged step (TRL's metrics and ours), flushed as it is written
 SUMMARY = "summary.json"  # steady-state means of every metric, rewritten each step

@@ -45,7 +45,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
         log.warning("trainer.trust_remote_code=true: code shipped with the model repository will run here")
     tree = redaction.redact(OmegaConf.to_container(cfg, resolve=True))
     (run_dir / run_files.CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(tree)))
-    redaction.scrub_files(run_dir / ".hydra")
+    redaction.scrub_files(run_dir / run_files.HYDRA)
 
 
 class RunRecord:
@@ -87,6 +87,17 @@ class RunRecord:
     def _save(self) -> None:
         if self.write:
             run_files.write_json(self.path, redaction.redact(self.data))
+
+
+def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
+    """Rank 0, for a run refused before it started (its config): run.json says so, unless the directory already
+    holds a run, whose record stays as it is."""
+    path = run_dir / run_files.RUN
+    if path.exists():
+        return
+    now = run_files.now()
+    record = {**metadata, "status": "failed", "started": now, "ended": now, "error": f"{type(error).__name__}: {error}"}
+    run_files.write_json(path, redaction.redact(record))
 
 
 def resume_command(run_dir: Path) -> str:

@@ -36,9 +36,12 @@ def secret_values() -> list[str]:
 def redact_text(text: str, secrets: list[str] | None = None) -> str:
     for value in secret_values() if secrets is None else secrets:
         text = text.replace(value, REDACTED)
-    # key=value / key: value where the key names a credential (Hydra overrides, YAML lines)
+    # key=value / key: value where the key names a credential (Hydra overrides, YAML lines). Only keys that end like
+    # a credential are matched, so that a line such as `override_dirname: +logger.api_key=…` is not taken whole as
+    # the value of its first key.
     return re.sub(
-        r"(?im)(^|[\s\"'\[,+~])([\w.\-]+)(\s*[=:]\s*)([^\s,\]\"']+)",
+        r"(?im)(^|[\s\"'\[,+~])([\w.\-]*(?:api_?key|token|secret|password|passwd|credentials?))(\s*[=:]\s*)"
+        r"([^\s,\]\"']+)",
         lambda m: (
             m.group(0)
             if not is_secret_key(m.group(2)) or m.group(4) in _EMPTY

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from colocated_grpo import provenance
+from colocated_grpo import provenance, run_files
 from colocated_grpo.compat import hydra as hydra_internals
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.resilience import attempts, checkpoints, preemption, startup_errors, wandb_rewind
+from colocated_grpo.resilience import attempts, checkpoints, preemption, redaction, startup_errors, wandb_rewind
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.training import config, data, models, rewards, rollout_log, wandb_logging
@@ -32,10 +32,17 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     """
     run_dir = Path(run_dir or hydra_internals.output_dir()).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    world = launched_world_size(cfg)
-    config.validate(cfg, world)
-    _refuse_gpu_only_settings_without_gpu(cfg)
     main = is_main_process()
+    if main:  # Hydra wrote its record before any code of ours ran: no credential stays in it, even if refused below
+        redaction.scrub_files(run_dir / run_files.HYDRA)
+    world = launched_world_size(cfg)
+    try:
+        config.validate(cfg, world)
+        _refuse_gpu_only_settings_without_gpu(cfg)
+    except config.ConfigError as err:
+        if main:
+            attempts.record_refusal(run_dir, err, {"command": sys.argv, "overrides": hydra_internals.task_overrides()})
+        raise
     held = checkpoints.lock(run_dir) if main else None
     try:
         return _run(cfg, run_dir, main, world)
