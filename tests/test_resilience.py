@@ -124,6 +124,21 @@ def killed_then_resumed(model_cache, tmp_path_factory):
     return SimpleNamespace(dir=run_dir, before=before, first=first, second=second)
 
 
+def test_a_resumed_run_samples_and_trains_exactly_as_the_uninterrupted_run(killed_then_resumed, model_cache, tmp_path):
+    """Killed after its checkpoint and resumed, the run gives the same completions, losses and rewards at every step
+    as the same command run without interruption. The checkpoint brings back model, optimizer, scheduler, data
+    order and torch's RNG state, which the in-process engine's sampler draws from."""
+    r = killed_then_resumed
+    whole = Job(tmp_path / "run", model_cache, *KILLED, env=SECRETS)
+    assert whole.wait() == 0, whole.output[-6000:]
+    resumed, uninterrupted = read_jsonl(r.dir / "rollouts.jsonl"), read_jsonl(whole.dir / "rollouts.jsonl")
+    assert [x["train/global_step"] for x in resumed] == [x["train/global_step"] for x in uninterrupted]
+    assert [x["completions"] for x in resumed] == [x["completions"] for x in uninterrupted]
+    keys = ("loss", "reward", "grad_norm", "sampling/sampling_logp_difference/mean")
+    per_step = lambda run_dir: [{k: m[k] for k in keys} for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert per_step(r.dir) == per_step(whole.dir)
+
+
 def test_sigkill_then_rerun_resumes_with_continuous_steps(killed_then_resumed):
     r = killed_then_resumed
     k = r.before.checkpoint.step
