@@ -50,6 +50,10 @@ class Run:
 
 @pytest.fixture(scope="session")
 def run_env(model_cache) -> dict:
+    return run_environment(model_cache)
+
+
+def run_environment(model_cache: Path) -> dict:
     """The environment of a run or sweep in the tests: the session's model cache, W&B offline, unbuffered output."""
     plugins = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
     return {

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_environment
 from hydra import compose, initialize_config_dir
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
@@ -27,7 +28,6 @@ from colocated_grpo.provenance import REPO
 from colocated_grpo.resilience import checkpoints, nonfinite, preemption, redaction, startup_errors, wandb_rewind
 from colocated_grpo.run_files import read_jsonl
 
-PLUGINS = REPO / "tests" / "plugins"  # faulty_rewards.py: rewards that raise or return NaN
 FAULTY = ("reward=length", "+reward.modules=[faulty_rewards]", "logger=none")
 SECRETS = {"WANDB_API_KEY": "0123456789abcdef0123456789abcdefsentinel", "HF_TOKEN": "hf_sentinelTokenNeverWritten42"}
 
@@ -40,15 +40,7 @@ class Job:
         self.log = run_dir.with_name(run_dir.name + f".{time.monotonic_ns()}.log")
         args = [f"hydra.run.dir={run_dir}", *overrides]
         self.cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
-        self.env = {
-            **os.environ,
-            "COLOCATED_GRPO_CACHE": str(model_cache),
-            "WANDB_MODE": "offline",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": path,
-            **(env or {}),
-        }
+        self.env = {**run_environment(model_cache), **(env or {})}
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 self.cmd, cwd=run_dir.parent, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -51,7 +51,7 @@ def history(path: Path) -> list[dict]:
     """The history rows of one transaction log: {"_step": n, key: value, ...} in the order they were logged."""
     rows = []
     for _, record in records(path):
-        if record.WhichOneof("record_type") == "history":
+        if is_history(record):
             rows.append(history_row(record))
     return rows
 
