@@ -45,7 +45,6 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
         log.warning("trainer.trust_remote_code=true: code shipped with the model repository will run here")
     tree = redaction.redact(OmegaConf.to_container(cfg, resolve=True))
     (run_dir / run_files.CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(tree)))
-    redaction.scrub_files(run_dir / run_files.HYDRA)
 
 
 class RunRecord:

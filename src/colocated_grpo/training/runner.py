@@ -88,10 +88,9 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int) -> Path:
         interrupted = attempts.interruption(stopper, trainer.state, run_dir, resume_command)
         if interrupted is None and trainer.state.global_step == 0:
             raise NothingTrained(
-                f"training ended at step {trainer.state.global_step} without training a step: the dataset holds fewer "
-                "prompts than one generation batch (trainer.per_device_train_batch_size × processes × "
-                "steps_per_generation / trainer.num_generations), or the run had already reached trainer.max_steps; "
-                "use more data (data.num_samples), a smaller batch, or a higher trainer.max_steps"
+                "training ended without training a step: the dataset holds fewer prompts than one generation batch "
+                "(trainer.per_device_train_batch_size × processes × steps_per_generation / trainer.num_generations); "
+                "use more data (data.num_samples) or a smaller batch"
             )
         status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
     except KeyboardInterrupt:
@@ -163,7 +162,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path):
         callbacks=[metrics_file],
     )
     trl_internals.reseed_generation(trainer, int(cfg.seed))
-    if args.use_vllm and args.vllm_mode == "colocate" and cfg.placement.get("fast_outputs"):
+    if (args.generation_kwargs or {}).get("flat_logprobs"):  # placement.fast_outputs, or the user's own request
         trl_internals.install_flat_logprob_reader()
     if cfg.placement.get("fast_sync"):
         chunk_bytes = int(float(cfg.placement.sync_chunk_gb) * 2**30)
