@@ -4,6 +4,7 @@ results table, Markdown and figure; a second `run` keeps what finished."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import yaml
 from conftest import start_own_session, wait_for_file
 
 from colocated_grpo.bench.study import definition as study
+from colocated_grpo.bench.study import portable
 from colocated_grpo.bench.study import report as study_report
 from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import read_json
@@ -99,6 +101,20 @@ def test_study_bench_and_report_files(tiny_study):
     assert "| tiny | colocate | 1 |" in md and "broken (failed)" in md and "| tiny | standalone | default |" in md
     assert "python train.py -m model=tiny logger=none" in md, "the exact commands are in the report"
     assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_study_directory_names_no_path_of_the_machine_it_ran_on(tiny_study, run_env):
+    _, out, _ = tiny_study
+    machine = (str(out.resolve()), str(REPO), run_env["COLOCATED_GRPO_CACHE"], sys.prefix)
+    for path in out.rglob("*"):
+        try:
+            text = path.read_bytes().decode() if path.is_file() else ""
+        except UnicodeDecodeError:  # binary: figures, a checkpoint's pickles
+            continue
+        assert not [p for p in machine if p in text], f"{path}: {[p for p in machine if p in text]}"
+    job = read_json(next((out / "runs" / "tiny" / "colocate").glob("*/job.json")))
+    assert job["dir"].startswith("OUT/runs/tiny/colocate/") and "train.py" in job["command"]
+    assert study.case_status(out / "runs" / "tiny" / "colocate") == "finished", "the study reads its files as before"
 
 
 def test_running_again_keeps_finished_cases(tiny_study, run_env, tmp_path):
@@ -204,6 +220,33 @@ def _regenerated(name: str, tmp_path):
     study_report.report(copy)
     assert pd.read_csv(copy / "results.csv").equals(pd.read_csv(kept / "results.csv"))
     return pd.read_csv(kept / "results.csv").set_index(["model", "case"])
+
+
+def test_kept_results_name_no_machine_path():
+    """Nothing tracked under sweeps/results/ names a directory of the machine it ran on."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z", "sweeps/results"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
+    assert len(tracked) > 100, "the kept results are tracked"
+    machine = re.compile(r"(?<![\w.])/(?:tmp|work|home|root)/")
+    offending = [
+        f"{name}:{i}: {line.strip()[:160]}"
+        for name in tracked
+        if name and not name.endswith(".png")
+        for i, line in enumerate((REPO / name).read_bytes().decode(errors="replace").splitlines(), 1)
+        if machine.search(line)
+    ]
+    assert not offending, "machine paths in kept results:\n" + "\n".join(offending[:20])
+
+
+def test_machine_paths_become_relative_or_named():
+    roots = [("/tmp/study", "sweeps/results/x"), ("/tmp/repo", "."), ("/tmp/sweep", "A"), ("/root", "<home>")]
+    assert portable.rewrite_text("python /tmp/repo/train.py hydra.run.dir='/tmp/study/runs/m/0_'", roots) == (
+        "python train.py hydra.run.dir='sweeps/results/x/runs/m/0_'"
+    )
+    assert portable.rewrite_text("cwd: /tmp/repo", roots) == "cwd: ."
+    assert portable.rewrite_text("/tmp/sweep_2/0_ /tmp/sweep/0_", roots) == "/tmp/sweep_2/0_ A/0_", "whole names only"
+    assert portable.rewrite_text("/data/tmp/repo/x /root/.cache", roots) == "/data/tmp/repo/x <home>/.cache"
 
 
 def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from colocated_grpo.bench.study import portable
 from colocated_grpo.bench.study.definition import (
     bench_command,
     case_command,
@@ -42,6 +43,8 @@ def run(definition: str | Path, out: str | Path) -> None:
             file=sys.stderr,
         )
         sys.exit(130)
+    finally:
+        portable.rewrite(out, portable.machine_roots(out))  # the study's files can be kept with the code
     print(
         f"study done in {time.monotonic() - started:.0f} s; report: python -m colocated_grpo.bench.study report {out}"
     )
