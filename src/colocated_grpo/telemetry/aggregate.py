@@ -53,7 +53,7 @@ def _mean(values) -> float:
 def step_metrics(
     reports: list[RankReport], n_params: int | None = None, peak_tflops_per_gpu: float | None = None
 ) -> dict[str, float]:
-    """Metrics of one step from all ranks' reports (names: the README's telemetry table)."""
+    """Metrics of one step from all ranks' reports (names: the metrics table of docs/telemetry.md)."""
     metrics: dict[str, float] = {}
     step_s = _mean(r.phases.duration for r in reports)
     metrics["timing_s/step"] = step_s
