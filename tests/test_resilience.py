@@ -469,6 +469,62 @@ def test_wandb_rewind_cuts_offline_segment_at_the_checkpoint(tmp_path):
     assert [r["train/global_step"] for r in wandb_log.history(log_file)] == [0, 1, 1, 2, 2, 3, 3]
 
 
+def _offline_wandb_log(tmp_path: Path) -> tuple[str, Path]:
+    """A finished offline W&B run with rows for steps 1..4: (run id, its transaction log)."""
+    import wandb
+
+    run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
+    for step in range(1, 5):
+        run.log({"train/loss": float(step), "train/global_step": step})
+    run.finish()
+    wandb.teardown()
+    (segment,) = wandb_rewind.segments(tmp_path / "wandb", run.id)
+    return run.id, next(segment.glob("*.wandb"))
+
+
+def test_wandb_rewind_refuses_a_log_it_does_not_know_and_cuts_nothing(tmp_path, monkeypatch):
+    run_id, log_file = _offline_wandb_log(tmp_path)
+    original = log_file.read_bytes()
+    log_file.write_bytes(b":W&B\xe1\xbe\x01" + original[7:])  # a format version this reader has not seen
+    with pytest.raises(wandb_log.UnknownFormat, match="header"):
+        wandb_rewind.rewind(tmp_path / "wandb", run_id, 2, None)
+    assert log_file.read_bytes()[7:] == original[7:]
+
+    log_file.write_bytes(original)  # the known format, but a W&B release outside the tested range
+    monkeypatch.setattr(wandb_log.metadata, "version", lambda name: "0.40.1")
+    with pytest.raises(wandb_log.UnknownFormat, match=r"wandb 0\.40\.1 is outside"):
+        wandb_rewind.rewind(tmp_path / "wandb", run_id, 2, None)
+    assert log_file.read_bytes() == original
+    monkeypatch.undo()
+    assert wandb_rewind.rewind(tmp_path / "wandb", run_id, 2, None) == {log_file.parent.name: 2}
+
+
+def test_wandb_range_pinned_in_pyproject_is_the_tested_one():
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"wandb>={wandb_log.TESTED[0]},<{wandb_log.TESTED[1]}" in deps
+    wandb_log.check_version()  # the installed W&B is one the reader was checked with
+
+
+def test_resume_with_an_unreadable_wandb_log_starts_a_new_wandb_run(tmp_path, caplog):
+    """The earlier attempt's offline log is not the known format: resuming goes on, with a new W&B run (same
+    group, the steps up to the checkpoint from metrics.jsonl), and says so in one line."""
+    from omegaconf import OmegaConf
+
+    from colocated_grpo.resilience import attempts
+
+    run_id, log_file = _offline_wandb_log(tmp_path)
+    log_file.write_bytes(b"not a W&B log at all")
+    resume = checkpoints.Resume(previous={"wandb_id": run_id, "attempts": [{"from_step": 0}]})
+    with caplog.at_level("WARNING"):
+        attempts.prepare_run_dir(OmegaConf.create({"trainer": {}}), tmp_path, resume)
+    assert resume.resuming and resume.wandb_id is None, "wandb.init gets no id: a new W&B run"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"W&B: run {run_id} is not continued" in warning and "new W&B run" in warning and "\n" not in warning
+    assert log_file.read_bytes() == b"not a W&B log at all"
+
+
 def test_redaction_of_credential_keys_and_environment_values(monkeypatch):
     monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-1234567890")
     tree = {

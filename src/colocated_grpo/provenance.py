@@ -1,13 +1,47 @@
-"""Where a result comes from: the checkout it was made with and the versions of the packages that made it."""
+"""Where a result comes from: the checkout it was made with and the versions of the packages that made it; which
+optional packages are installed."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import platform
 import subprocess
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout: train.py, conf/, sweeps/
+REPO = Path(__file__).resolve().parents[2]  # the checkout (train.py, conf/, sweeps/), when the package runs from one
+CHECKOUT_VARIABLE = "COLOCATED_GRPO_CHECKOUT"
+
+# The `notebooks` extra: figures (a study's report, `render`) and notebooks executed headless.
+FIGURES = ("matplotlib",)
+NOTEBOOKS = ("matplotlib", "jupytext", "nbclient", "nbformat", "ipykernel")
+
+
+def checkout() -> Path:
+    """The checkout whose train.py and conf/ the tools run: $COLOCATED_GRPO_CHECKOUT, else the one this package is
+    in (a source tree or an editable install), else the current directory. Refuses, saying how, when none holds them
+    (a package installed from a wheel carries neither)."""
+    candidates = [os.environ.get(CHECKOUT_VARIABLE), REPO, Path.cwd()]
+    for path in (Path(c).expanduser().resolve() for c in candidates if c):
+        if (path / "train.py").is_file() and (path / "conf" / "train.yaml").is_file():
+            return path
+    raise SystemExit(
+        "this command runs train.py with the configs in conf/, which live in a checkout of colocated-grpo, not in "
+        f"the installed package: run it from the checkout, or set {CHECKOUT_VARIABLE}=/path/to/checkout"
+    )
+
+
+def require_extra(extra: str, modules: Iterable[str], command: str) -> None:
+    """Refuse, naming the extra to install, when a module that `command` will need is missing: before long work,
+    not at its end."""
+    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
+        raise SystemExit(
+            f'{command} needs {", ".join(missing)} (the `{extra}` extra): pip install -e ".[{extra}]" in the '
+            f'checkout, or pip install "colocated-grpo[{extra}]"'
+        )
+
 
 PACKAGES = (
     "torch",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from colocated_grpo.analysis.tables import load_jobs, print_summary, write_summary
+from colocated_grpo.provenance import FIGURES, require_extra
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("dir", help="a sweep directory (job directories inside) or a run directory")
         parser.add_argument("--out", help="where to write the PNGs (default: DIR/figures)")
         args = parser.parse_args(argv[1:])
+        require_extra("notebooks", FIGURES, "render")
         from colocated_grpo.analysis import plots
 
         for path in plots.render(args.dir, args.out):

@@ -16,6 +16,8 @@ import ast
 import os
 from pathlib import Path
 
+from colocated_grpo.provenance import NOTEBOOKS, require_extra
+
 
 def with_parameters(nb, parameters: dict):
     """The notebook with a cell setting `parameters` after its `parameters` cell (or first, when it has none)."""
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-o", "--output", help="the executed notebook (default: NAME.executed.ipynb here)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a cell may take")
     args = parser.parse_args(argv)
+    require_extra("notebooks", NOTEBOOKS, "notebook")
     output = args.output or f"{Path(args.notebook).stem}.executed.ipynb"
     execute(args.notebook, dict(args.parameters), output, timeout=args.timeout)
     print(output)

@@ -17,13 +17,16 @@ from pathlib import Path
 from colocated_grpo import run_files
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.processes import train_command
+from colocated_grpo.provenance import checkout
 from colocated_grpo.run_files import STEP_KEY, read_jsonl
 
 
 def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
     run_dir = out / name
     cmd = train_command(
-        nproc, [*overrides, f"parallelism.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", "logger=none"]
+        nproc,
+        [*overrides, f"parallelism.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", "logger=none"],
+        checkout() / "train.py",
     )
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     (run_dir / "launch.log").unlink(missing_ok=True)

@@ -184,9 +184,11 @@ def resolve_model(name: str) -> str:
     """A conf/model option name (built if needed) or a path/hub id as is."""
     from hydra import compose, initialize_config_dir
 
-    from colocated_grpo.provenance import REPO
+    from colocated_grpo.provenance import checkout
 
-    conf = REPO / "conf"
+    if "/" in name or Path(name).exists():  # a path or a hub id: no option of conf/model/ has a slash
+        return name
+    conf = checkout() / "conf"
     if not (conf / "model" / f"{name}.yaml").exists():
         return name
     from colocated_grpo.training.models import resolve

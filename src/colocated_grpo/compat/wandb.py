@@ -1,26 +1,48 @@
 """W&B's offline transaction log, which W&B does not document: `<wandb>/<offline-run-…-ID>/run-ID.wandb`, in LevelDB
 log format (32 KiB blocks of checksummed chunks) holding `wandb_internal_pb2.Record` messages. Reading it (and
-truncating it at a record boundary) is what lets a resumed run keep every step in W&B exactly once."""
+truncating it at a record boundary) is what lets a resumed run keep every step in W&B exactly once.
+
+Being undocumented, the format may change with any W&B release: the reader refuses (UnknownFormat) with a W&B outside
+the versions it was checked against (TESTED, the range pyproject.toml pins) or a log it does not recognise, and a
+resumed run then starts a new W&B run instead (resilience/attempts.py)."""
 
 from __future__ import annotations
 
 import json
 import struct
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
+TESTED = ("0.31", "0.32")  # W&B versions whose offline log this reader was checked against: >= first, < second
+_HEADER = b":W&B\xe1\xbe\x00"  # ident, magic 0xBEE1 (little-endian), format version 0
 _BLOCK, _CHUNK_HEADER, _FILE_HEADER = 32768, 7, 7
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
+class UnknownFormat(RuntimeError):
+    """The offline log cannot be read safely: an untested W&B, or bytes that are not the known format."""
+
+
+def check_version() -> None:
+    from packaging.version import Version
+
+    version = metadata.version("wandb")
+    if not Version(TESTED[0]) <= Version(version) < Version(TESTED[1]):
+        raise UnknownFormat(f"wandb {version} is outside the versions its offline log was checked with ({TESTED})")
+
+
 def records(path: Path) -> Iterator[tuple[int, object]]:
     """(byte offset where the record starts, Record) for every complete record of a W&B transaction log."""
+    check_version()
     from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
     data = Path(path).read_bytes()
-    if data[:4] != b":W&B":
-        return
+    if len(data) < _FILE_HEADER:
+        return  # the writer died before its header: nothing logged
+    if data[:_FILE_HEADER] != _HEADER:
+        raise UnknownFormat(f"{path} does not start with the header of W&B's offline log format 0")
     pos, start, parts = _FILE_HEADER, None, []
     while pos + _CHUNK_HEADER <= len(data):
         room = _BLOCK - pos % _BLOCK
@@ -41,8 +63,8 @@ def records(path: Path) -> Iterator[tuple[int, object]]:
             record = wandb_internal_pb2.Record()
             try:
                 record.ParseFromString(b"".join(parts))
-            except DecodeError:
-                return
+            except DecodeError as err:  # a complete record that does not parse: not the format we know
+                raise UnknownFormat(f"{path}: the record at byte {start} is not a W&B Record ({err})") from err
             yield start, record
             start, parts = None, []
 

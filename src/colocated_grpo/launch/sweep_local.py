@@ -3,8 +3,9 @@ starts its server and its own torchrun), one after another on this machine.
 
 `python -m torch.distributed.run --nproc_per_node=N … train.py hydra.run.dir=JOB_DIR OVERRIDES…`, with N = the
 job's `parallelism.nproc_per_node`, stdout and stderr in JOB_DIR/job.log. A failed job is recorded (exit code, last
-log lines) and the sweep goes on; Ctrl-C stops the running job and its processes, and the sweep. At the end:
-SWEEP_DIR/summary.csv and a table, one row per job (analysis/tables.py).
+log lines) and the sweep goes on; Ctrl-C stops the running job and its processes, and the sweep. While it runs:
+job k/N, the running job's step, time elapsed and left (launch/progress.py). At the end: SWEEP_DIR/summary.csv and
+a table, one row per job (analysis/tables.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.processes import free_port
+from colocated_grpo.launch.progress import Progress, run_step
 from colocated_grpo.launch.sweep_plan import (
     Job,
     Options,
@@ -160,15 +162,16 @@ def launch_local(hydra_context, config: DictConfig, task_function, job_overrides
     jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=gpus_on_this_machine())
     sweep_dir = announce(config, jobs, opts.dry_run)
     interrupted = False
+    runnable = [] if opts.dry_run else [job for job in jobs if job.status == "pending"]
     try:
-        with sigterm_as_interrupt():
-            for job in [] if opts.dry_run else jobs:
-                if job.status == "pending":
-                    command = (
-                        server_command(job, script)
-                        if job.server
-                        else torchrun_command(job, script, free_port(), extra_args=opts.torchrun_args)
-                    )
+        with sigterm_as_interrupt(), Progress("sweep", len(runnable), say=log.info) as shown:
+            for job in runnable:
+                command = (
+                    server_command(job, script)
+                    if job.server
+                    else torchrun_command(job, script, free_port(), extra_args=opts.torchrun_args)
+                )
+                with shown.job(f"#{job.num} {' '.join(job.swept) or 'job'}", lambda d=Path(job.dir): run_step(d)):
                     execute(job, command, Path(job.dir) / run_files.JOB_LOG, opts)
     except KeyboardInterrupt:
         interrupted = True

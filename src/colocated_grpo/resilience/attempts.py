@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo import run_files
 from colocated_grpo.compat.hydra import task_overrides
+from colocated_grpo.compat.wandb import UnknownFormat
 from colocated_grpo.resilience import checkpoints, redaction, wandb_rewind
 from colocated_grpo.resilience.preemption import StopOnSignal, TrainingInterrupted
 
@@ -29,7 +30,16 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
         rewound = {}
         if resume.wandb_id:
             marker = wandb_rewind.read_marker(resume.checkpoint.path if resume.checkpoint else None)
-            rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, marker)
+            try:
+                rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, marker)
+            except UnknownFormat as err:
+                log.warning(
+                    "W&B: run %s is not continued (%s); this attempt logs to a new W&B run in the same group, with "
+                    "the steps up to the checkpoint from metrics.jsonl, which keeps every step",
+                    resume.wandb_id,
+                    err,
+                )
+                resume.previous["wandb_id"] = None
         where = resume.checkpoint.path.name if resume.checkpoint else "the start (no checkpoint)"
         log.info(
             "resuming %s from %s, step %d; records of later steps dropped: %s; W&B rows dropped: %s; "

@@ -40,10 +40,13 @@ def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict
     With the checkpoint's marker the cut is exact: in the segment that saved it, before the first row logged after
     it was saved; later segments lose every row. Without one (a checkpoint saved while W&B was off, or a run that
     never checkpointed), rows after `step` go (all rows when step is 0).
+
+    Every segment is read before any is cut: a log this W&B does not know (compat.wandb.UnknownFormat, raised to
+    the caller) leaves them all as they were.
     """
     order = [s.name for s in segments(wandb_dir, run_id)]
     saved_in = (marker or {}).get("segment")
-    dropped: dict[str, int] = {}
+    cuts: dict[str, tuple[Path, int, int]] = {}
     for name in order:
         if saved_in in order:
             position, saver = order.index(name), order.index(saved_in)
@@ -59,8 +62,10 @@ def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict
                 if cut is None and first_dropped(history_row(record)):
                     cut = offset
                 count += cut is not None
-        if cut is None:
-            continue
+        if cut is not None:
+            cuts[name] = (log_file, cut, count)
+    dropped: dict[str, int] = {}
+    for name, (log_file, cut, count) in cuts.items():
         if name.startswith("offline-"):
             truncate(log_file, cut)
             dropped[name] = count

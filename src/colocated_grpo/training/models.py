@@ -89,10 +89,16 @@ def build(shape_name: str, target: Path) -> Path:
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").exists():
             return target
+        import logging  # here, not at the top: the one message of this module
+        import time
+
+        log, t0 = logging.getLogger(__name__), time.monotonic()
+        log.info("building the random-weight %s model into %s (once; later runs reuse it)", shape_name, target)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
         try:
             _write_model(SHAPES[shape_name], tmp)
             os.replace(tmp, target)
+            log.info("built %s in %.0f s", target, time.monotonic() - t0)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target

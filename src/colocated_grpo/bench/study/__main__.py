@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from colocated_grpo.bench.study import report, running
+from colocated_grpo.provenance import FIGURES, require_extra
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,9 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     report_parser.add_argument("out", help="a study directory written by `run`")
     args = parser.parse_args(argv)
     if args.command == "run":
+        require_extra("notebooks", FIGURES, "study run (its report draws study.png)")
         running.run(args.definition, args.out)
         report.report(args.out)
     else:
+        require_extra("notebooks", FIGURES, "study report (it draws study.png)")
         report.report(args.out)
 
 

