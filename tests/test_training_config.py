@@ -103,7 +103,7 @@ def test_num_generations_must_divide_generation_batch():
 
 def test_unknown_reward_lists_registered_ones():
     _fails(
-        r"unknown reward 'accuracy'; registered: \[.*'exact_answer'.*'math_accuracy'", "+reward.weights.accuracy=1.0"
+        r"unknown reward 'accuracy'.*; registered: \[.*'exact_answer'.*'math_accuracy'", "+reward.weights.accuracy=1.0"
     )
 
 
