@@ -283,7 +283,7 @@ def _model_problems(model: DictConfig) -> list[str]:
 
 
 def _heads_problems(model: DictConfig, tp: int, key: str) -> list[str]:
-    if tp < 1 or _model_problems(model):
+    if tp < 1 or OmegaConf.is_missing(model, "name_or_path") or _model_problems(model):
         return []  # reported elsewhere
     try:
         heads, kv_heads = attention_heads(model)
@@ -327,15 +327,15 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         ours.update(fast_output_kwargs())
     if ours:
         kwargs["generation_kwargs"] = {**ours, **(kwargs.get("generation_kwargs") or {})}
+    ours = {
+        "output_dir": output_dir,
+        "report_to": report_to,
+        "run_name": cfg.run.name,
+        "seed": int(cfg.seed),
+        "reward_weights": [float(w) for w in cfg.reward.weights.values()],
+    }
     try:
-        return GRPOConfig(
-            output_dir=output_dir,
-            report_to=report_to,
-            run_name=cfg.run.name,
-            seed=int(cfg.seed),
-            reward_weights=[float(w) for w in cfg.reward.weights.values()],
-            **kwargs,
-        )
+        return GRPOConfig(**ours, **kwargs)
     except (ValueError, TypeError) as exc:  # TRL's and transformers' own rules on the combination of settings
         raise ConfigError(
             [f"trainer: trl.GRPOConfig refuses these settings: {exc} (field names are trainer.* keys)"]
