@@ -137,3 +137,52 @@ def test_preflight_refuses_long_prompts_naming_keys_and_derives_the_engine_lengt
     prepared = preflight.prepare(cfg, tmp_path, [])
     assert prepared.prompts["truncated"] == 8 and prepared.prompts["derived"] == {"vllm_max_model_length": 40 + 32}
     assert prepared.args.vllm_max_model_length == 72 and prepared.dataset[0]["prompt"].endswith("TL;DR:")
+
+
+# The blog's experiment, shrunk to the tiny model and a local tldr-like file: the same config path end to end.
+
+TLDR_ON_TINY = (
+    "+experiment=tldr_colocate",
+    "model=tiny",
+    "data.max_prompt_tokens=48",
+    "trainer.max_completion_length=16",
+    "trainer.max_steps=2",
+    "trainer.bf16=false",
+    "trainer.gradient_checkpointing=false",
+    "trainer.warmup_steps=0",
+    "logger=none",
+)
+
+
+@pytest.fixture(scope="module")
+def tldr_file(tmp_path_factory) -> Path:
+    rows = [{"prompt": f"{POST * (1 + i % 3)} ({i})\nTL;DR:", "completion": " lend it less"} for i in range(12)]
+    return write_jsonl(tmp_path_factory.mktemp("tldr") / "train.jsonl", rows)
+
+
+def test_tldr_experiment_shape_trains_on_the_tiny_model_with_truncated_prompts(train, tldr_file):
+    run = train(*TLDR_ON_TINY, f"data.path={tldr_file}")
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "finished"
+    prompts = record["prompts"]
+    assert (prompts["rows"], prompts["limit_tokens"], prompts["policy"]) == (12, 48, "truncate")
+    assert prompts["truncated"] == prompts["overlong"] > 0
+    assert prompts["derived"] == {"vllm_max_model_length": 48 + 16}, "unset in the experiment: prompt + completion"
+    metrics = run.metrics()
+    assert [m["train/global_step"] for m in metrics] == [1, 2]
+    assert all(m["rewards/length_chars/mean"] <= 0 for m in metrics)
+    sent = [p for r in run.rollouts() for p in r["prompts"]]
+    assert sent and all(p.endswith("\nTL;DR:") and not p.startswith("<|im_start|>") for p in sent), (
+        "plain text, end kept"
+    )
+
+
+def test_overlong_prompts_fail_before_the_engine_loads_naming_the_keys(train, tldr_file):
+    run = train(*TLDR_ON_TINY, f"data.path={tldr_file}", "data.overlong_prompts=fail", check=False)
+    assert run.proc.returncode != 0
+    message = "prompts are longer than 48 tokens (data.max_prompt_tokens)"
+    assert message in run.output and "data.overlong_prompts=truncate" in run.output
+    assert "nanobind" not in run.output and "maximum context length" not in run.output
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "failed" and message in record["error"]
+    assert not (run.dir / "metrics.jsonl").exists()
