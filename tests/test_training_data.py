@@ -84,6 +84,9 @@ def test_hub_dataset_without_path_and_empty_files_are_named(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert problems_of("data=local", f"data.files={empty}") == [f"data.files='{empty}' is empty: it holds no rows"]
+    assert problems_of("data=hub", f"data.path={empty}", "reward=length") == [
+        f"data.path='{empty}' is empty: it holds no rows"
+    ]
     assert "no such file" in problems_of("data=local", f"data.files={tmp_path}/nope.jsonl")[0]
 
 

@@ -34,8 +34,9 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig, world: int | None = None) -> None:
-    """Raise ConfigError listing every problem found; silent when the config can run. Reads no weights and downloads
-    nothing: a model's config.json and local data files are read where they are on this machine."""
+    """Raise ConfigError listing every problem found; silent when the config can run. Reads no weights: a model's
+    config.json and local data files are read where they are on this machine (a hub model's config.json is fetched
+    only when neither that nor the preset's `model.published` gives its heads)."""
     world = world_size(cfg) if world is None else world
     problems = missing_problems(cfg)
     field_problems = trainer_field_problems(cfg.trainer)
@@ -288,7 +289,10 @@ def _heads_problems(model: DictConfig, tp: int, key: str) -> list[str]:
     try:
         heads, kv_heads = attention_heads(model)
     except Exception as exc:  # an unreachable hub id: say so instead of failing later inside vLLM
-        return [f"model.name_or_path={model.name_or_path!r}: cannot read its config ({type(exc).__name__}: {exc})"]
+        return [
+            f"model.name_or_path={model.name_or_path!r}: cannot read its config.json ({type(exc).__name__}: {exc}); "
+            "give a local model directory or a hub id (org/name) that exists and is reachable from here"
+        ]
     problems = []
     for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
         if n % tp:

@@ -223,11 +223,15 @@ def _load_source(data_cfg):
             ds = datasets.load_dataset(builder, data_files=files, split="train")
         else:
             path = str(data_cfg.path)
+            if Path(path).expanduser().is_file() and Path(path).expanduser().stat().st_size == 0:
+                raise DataError([f"data.path={path!r} is empty: it holds no rows"])
             if Path(path).expanduser().is_file():  # one data file: read it as data=local would (split: train)
                 builder = READERS.get(path.rsplit(".", 1)[-1].lower(), "json")
                 ds = datasets.load_dataset(builder, data_files=[str(Path(path).expanduser())], split="train")
             else:
                 ds = datasets.load_dataset(path, data_cfg.get("name"), split=data_cfg.split)
+    except DataError:
+        raise
     except Exception as exc:
         raise DataError(
             [f"{_where(data_cfg)} cannot be read ({type(exc).__name__}: {exc}); {_source_fix(data_cfg)}"]
