@@ -275,3 +275,15 @@ def test_help_lists_groups_and_their_options():
         and "trainer: qwen, throughput, tiny" in out
     )
     assert "any trl.GRPOConfig field, without +" in out
+
+
+def test_reward_weights_and_params_take_new_keys_without_plus():
+    cfg = compose_train("reward=length", "reward.params.length.target=8", "reward.weights.length_chars=0.5")
+    assert dict(cfg.reward.weights) == {"length": 1.0, "length_chars": 0.5} and cfg.reward.params.length.target == 8
+    validate(cfg, 1)
+    _fails(r"reward.params.length.targt: reward 'length' takes no parameter 'targt'", "reward.params.length.targt=8")
+
+
+def test_every_option_of_every_group_says_what_it_is():
+    for path in CONF.glob("*/*.yaml"):
+        assert path.read_text().startswith("#"), f"{path} starts with a comment saying what it is and its keys mean"
