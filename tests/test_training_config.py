@@ -103,7 +103,7 @@ def test_num_generations_must_divide_generation_batch():
 
 def test_unknown_reward_lists_registered_ones():
     _fails(
-        r"unknown reward 'accuracy'; registered: \[.*'exact_answer'.*'math_accuracy'", "+reward.weights.accuracy=1.0"
+        r"unknown reward 'accuracy'.*; registered: \[.*'exact_answer'.*'math_accuracy'", "+reward.weights.accuracy=1.0"
     )
 
 
@@ -167,3 +167,123 @@ def test_fast_outputs_reach_the_colocated_engines_sampling_params(placement):
 def test_fast_outputs_leave_other_placements_alone(placement):
     cfg = compose_train(*SMOKE, f"vllm={placement}", "+placement.fast_outputs=true")
     assert grpo_config(cfg, "unused", []).generation_kwargs is None
+
+
+# Any GRPOConfig field, without `+`, checked against the field's type before anything loads.
+
+
+def test_any_grpo_field_is_set_without_plus_and_reaches_grpo_config():
+    cfg = compose_train(
+        "+experiment=tiny_cpu", "trainer.top_p=0.9", "trainer.repetition_penalty=1.1", "reward.weights.boxed_format=0.5"
+    )
+    validate(cfg, 1)
+    args = grpo_config(cfg, "unused", [])
+    assert (args.top_p, args.repetition_penalty, args.reward_weights) == (0.9, 1.1, [1.0, 0.5, 0.05])
+    # the `+` form keeps working for a field the yaml does not list
+    assert grpo_config(compose_train("+experiment=tiny_cpu", "+trainer.top_k=5"), "unused", []).top_k == 5
+
+
+def test_trainer_values_are_checked_against_grpo_field_types_all_at_once():
+    cfg = compose_train(
+        "trainer.max_steps=abc", "trainer.bf16=maybe", "trainer.lr_scheduler_type=cosin", "trainer.top_pp=0.9"
+    )
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    problems = err.value.problems
+    assert len(problems) == 4, problems
+    assert "trainer.max_steps='abc' must be an integer" in problems[0]
+    assert "trainer.bf16='maybe' must be true or false" in problems[1]
+    assert "trainer.lr_scheduler_type='cosin' must be one of ['linear', 'cosine'" in problems[2]
+    assert (
+        "trainer.top_pp is not a trl.GRPOConfig field" in problems[3] and "did you mean trainer.top_p?" in problems[3]
+    )
+
+
+def test_trls_own_rules_refuse_with_a_config_error():
+    cfg = compose_train("+experiment=tiny_cpu", "trainer.auto_find_batch_size=true")
+    validate(cfg, 1)  # a valid type; TRL's __post_init__ refuses the combination
+    with pytest.raises(ConfigError, match=r"trainer: trl.GRPOConfig refuses these settings: .*auto_find_batch_size"):
+        grpo_config(cfg, "unused", [])
+
+
+def test_completion_must_fit_in_the_engines_length():
+    _fails(
+        r"trainer.max_completion_length=1024 leaves no room for a prompt in trainer.vllm_max_model_length=256",
+        "trainer.max_completion_length=1024",
+    )
+    _fails(
+        r"data.max_prompt_tokens=300 \+ trainer.max_completion_length=32 = 332 exceed "
+        r"trainer.vllm_max_model_length=256",
+        "data.max_prompt_tokens=300",
+    )
+    # the tiny model's context is 1024 tokens (max_position_embeddings of its shape)
+    _fails(
+        r"trainer.vllm_max_model_length=2048 exceeds the model's context of 1024", "trainer.vllm_max_model_length=2048"
+    )
+    validate(compose_train("trainer.vllm_max_model_length=null"), 1)  # derived from the prompts at the start of a run
+
+
+# Models: a missing path says what to set; checks read the model's own config.json.
+
+
+def test_model_local_without_path_names_the_key():
+    _fails(r"model.name_or_path is not set \(\?\?\?\): model=local needs the model: model.name_or_path=", "model=local")
+
+
+def test_overridden_name_or_path_is_checked_with_its_own_config_json(tmp_path):
+    from colocated_grpo.training import models
+
+    tiny = models.build("tiny", tmp_path / "tiny")  # 2 heads, 2 KV heads; the 7B preset declares 28 and 4
+    overrides = ("model=qwen2.5-7b-instruct", f"model.name_or_path={tiny}", "trainer.vllm_tensor_parallel_size=4")
+    _fails(r"must divide the model's 2 attention heads", *overrides, world=4)
+    validate(compose_train("model=qwen2.5-7b-instruct", "trainer.vllm_tensor_parallel_size=4"), 4)
+
+
+# The blog's example, and the help page.
+
+
+def test_tldr_experiment_is_the_blog_example():
+    cfg = compose_train("+experiment=tldr_colocate")
+    assert cfg.model.name_or_path == "Qwen/Qwen2-0.5B-Instruct"
+    assert (cfg.data.source, cfg.data.path, cfg.data.split, cfg.data.answer_column) == (
+        "hub",
+        "trl-lib/tldr",
+        "train",
+        None,
+    )
+    assert dict(cfg.reward.weights) == {"length_chars": 1.0} and cfg.reward.params.length_chars.target == 20
+    t = cfg.trainer
+    assert (t.vllm_mode, t.vllm_tensor_parallel_size, t.vllm_gpu_memory_utilization) == ("colocate", 1, 0.3)
+    assert (t.num_generations, t.per_device_train_batch_size, t.max_completion_length) == (4, 4, 1024)
+    validate(cfg, 1)  # no download: the preset declares the model's published config
+
+
+def test_help_lists_groups_and_their_options():
+    import subprocess
+    import sys
+
+    from colocated_grpo.launch.processes import TRAIN_SCRIPT
+
+    proc = subprocess.run([sys.executable, str(TRAIN_SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for line in ("data: arithmetic, gsm8k, hub, local", "reward: arithmetic, length, length_chars, math"):
+        assert line in out
+    assert (
+        "model: local, qwen2-0.5b-instruct," in out
+        and "tldr_colocate" in out
+        and "trainer: qwen, throughput, tiny" in out
+    )
+    assert "any trl.GRPOConfig field, without +" in out
+
+
+def test_reward_weights_and_params_take_new_keys_without_plus():
+    cfg = compose_train("reward=length", "reward.params.length.target=8", "reward.weights.length_chars=0.5")
+    assert dict(cfg.reward.weights) == {"length": 1.0, "length_chars": 0.5} and cfg.reward.params.length.target == 8
+    validate(cfg, 1)
+    _fails(r"reward.params.length.targt: reward 'length' takes no parameter 'targt'", "reward.params.length.targt=8")
+
+
+def test_every_option_of_every_group_says_what_it_is():
+    for path in CONF.glob("*/*.yaml"):
+        assert path.read_text().startswith("#"), f"{path} starts with a comment saying what it is and its keys mean"

@@ -61,8 +61,16 @@ def test_real_qwen_shapes(name):
     assert shape.hidden_size // shape.num_attention_heads == 128 if name != "qwen2.5-0.5b" else 64
 
 
-def test_attention_heads_come_from_declaration_shape_or_config(tmp_path):
-    assert models.attention_heads(OmegaConf.create({"build": "qwen2.5-7b"})) == (28, 4)
-    assert models.attention_heads(OmegaConf.create({"attention_heads": 12, "kv_heads": 2, "build": None})) == (12, 2)
+def test_architecture_comes_from_config_json_shape_or_declaration(tmp_path):
+    arch = models.architecture(OmegaConf.create({"name_or_path": str(tmp_path / "none"), "build": "qwen2.5-7b"}))
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.vocab_size) == (28, 4, 152064)
+    published = {"id": "Qwen/Qwen2.5-1.5B-Instruct", "num_attention_heads": 12, "num_key_value_heads": 2}
+    preset = OmegaConf.create({"name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "build": None, "published": published})
+    assert models.attention_heads(preset) == (12, 2)
+    # Another model in name_or_path: the preset's declaration says nothing about it; its own config.json counts.
     path = models.build("tiny", tmp_path / "tiny")
-    assert models.attention_heads(OmegaConf.create({"name_or_path": str(path), "build": None})) == (2, 2)
+    preset.name_or_path = str(path)
+    arch = models.architecture(preset)
+    assert (arch.num_attention_heads, arch.num_key_value_heads) == (2, 2) and arch.source == str(path / "config.json")
+    assert arch.vocab_size == json.loads((path / "config.json").read_text())["vocab_size"]
+    assert models.architecture(OmegaConf.create({"name_or_path": "nobody/nothing", "build": None})) is None

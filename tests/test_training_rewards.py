@@ -67,3 +67,38 @@ def test_build_keeps_weights_in_order():
 
     funcs, weights = rewards.build(OmegaConf.create({"weights": {"boxed_format": 0.5, "exact_answer": 2}}))
     assert [f.__name__ for f in funcs] == ["boxed_format", "exact_answer"] and weights == [0.5, 2.0]
+
+
+def test_length_chars_is_minus_the_distance_to_20_characters():
+    assert rewards.length_chars(["x" * 20, "x" * 5, "x" * 26]) == [0.0, -15.0, -6.0]
+    assert for_trl("length_chars", {"target": 2})(prompts=["p"], completions=["abc"]) == [-1.0]
+
+
+def test_unknown_or_mistyped_parameters_name_the_function_and_its_parameters():
+    found = rewards.problems({"length": 1.0}, {"length": {"targt": 8}})
+    assert found == [
+        "reward.params.length.targt: reward 'length' takes no parameter 'targt' (did you mean 'target'?); "
+        "its parameters: ['target']"
+    ]
+    assert rewards.problems({"length": 1.0}, {"length": {"target": "long"}}) == [
+        "reward.params.length.target='long' must be an integer"
+    ]
+    assert "no reward 'length' in reward.weights" in rewards.problems({"boxed_format": 1}, {"length": {"target": 8}})[0]
+    assert "must be a number" in rewards.problems({"length": "heavy"}, {})[0]
+
+
+def test_required_columns_are_parameters_without_default():
+    assert rewards.required_columns("exact_answer") == ["answer"]
+    assert rewards.required_columns("length") == [] and rewards.parameters("length").keys() == {"target"}
+
+
+def test_example_reward_module_registers_checked_rewards(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    rewards.load_modules(["my_rewards"])
+    assert rewards.REGISTRY["mentions"](["Yes, BECAUSE", "no"], word="because") == [1.0, 0.0]
+    assert rewards.REGISTRY["answer_first"](["42 it is", "7"], answer=["42", None]) == [1.0, None]
+    assert rewards.required_columns("answer_first") == ["answer"]
+    assert rewards.problems({"mentions": 1.0}, {"mentions": {"word": "so"}}) == []
+    assert "its parameters: ['word']" in rewards.problems({"mentions": 1.0}, {"mentions": {"wrd": "so"}})[0]

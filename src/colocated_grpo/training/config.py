@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import importlib.util
 import os
 from pathlib import Path
@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.resilience.checkpoints import RESUME_MODES
-from colocated_grpo.training import rewards
+from colocated_grpo.training import data, field_types, models, rewards
 from colocated_grpo.training.models import SHAPES, attention_heads
 
 # Our keys that are not GRPOConfig fields; everything under `trainer` goes to GRPOConfig unchanged.
@@ -34,29 +34,118 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig, world: int | None = None) -> None:
-    """Raise ConfigError listing every problem found; silent when the config can run."""
+    """Raise ConfigError listing every problem found; silent when the config can run. Reads no weights: a model's
+    config.json and local data files are read where they are on this machine (a hub model's config.json is fetched
+    only when neither that nor the preset's `model.published` gives its heads)."""
     world = world_size(cfg) if world is None else world
+    problems = missing_problems(cfg)
+    field_problems = trainer_field_problems(cfg.trainer)
+    problems += field_problems
+    if not field_problems:  # the checks below read trainer values as the types they must have
+        problems += _trainer_problems(cfg, world)
+    problems += _reward_problems(cfg)
+    if not OmegaConf.is_missing(cfg.model, "name_or_path"):
+        problems += _model_problems(cfg.model)
+    problems += _run_problems(cfg)
+    if cfg.placement.get("fast_sync") and not float(cfg.placement.sync_chunk_gb) > 0:
+        problems.append(
+            f"placement.sync_chunk_gb={cfg.placement.sync_chunk_gb} must be above 0 (GiB of gathered FSDP2 weights "
+            "loaded into vLLM at once, e.g. 1.0)"
+        )
+    if cfg.parallelism.name == "zero3" and importlib.util.find_spec("deepspeed") is None:
+        problems.append("parallelism=zero3 needs the `deepspeed` package: pip install deepspeed (or use ddp / fsdp)")
+    if problems:
+        raise ConfigError(problems)
+
+
+# What a value left as ??? needs, by key; other keys get a generic message.
+MISSING_FIXES = {
+    "model.name_or_path": "model=local needs the model: model.name_or_path=/path/to/model (a directory with "
+    "config.json) or a hub id such as model.name_or_path=Qwen/Qwen2-0.5B-Instruct",
+    "data.files": "data=local needs its files: data.files=/path/train.jsonl (or [a.jsonl,b.jsonl]; json, jsonl, "
+    "parquet or csv)",
+    "data.path": "data=hub needs the dataset: data.path=<hub name, e.g. trl-lib/tldr, or a local directory or file>",
+}
+
+
+def missing_problems(cfg: DictConfig) -> list[str]:
+    """Every mandatory value (???) left unset, with what to set it to."""
+    found = []
+    for key in _missing_keys(cfg):
+        found.append(f"{key} is not set (???): {MISSING_FIXES.get(key, f'set it with {key}=<value>')}")
+    return found
+
+
+def _missing_keys(node, prefix: str = "") -> list[str]:
+    keys = []
+    for key in node:
+        full = f"{prefix}{key}"
+        if OmegaConf.is_missing(node, key):
+            keys.append(full)
+        elif OmegaConf.is_dict(node._get_node(key)) and not full.startswith("hydra"):
+            keys += _missing_keys(node[key], full + ".")
+    return keys
+
+
+def grpo_fields() -> dict:
+    """trl.GRPOConfig's init fields: name -> (annotation, default)."""
+    from trl import GRPOConfig
+
+    return field_types.dataclass_fields(GRPOConfig)
+
+
+def trainer_field_problems(trainer: DictConfig) -> list[str]:
+    """Each `trainer.*` key must be a GRPOConfig field (not one the runner sets) holding a value of the field's type."""
+    fields = grpo_fields()
+    try:
+        values = OmegaConf.to_container(trainer, resolve=True, throw_on_missing=False)
+    except Exception as exc:  # an interpolation that does not resolve
+        return [f"trainer: cannot resolve its values ({type(exc).__name__}: {exc})"]
+    problems = []
+    for key, value in values.items():
+        if key in RUNNER_OWNED:
+            problems.append(f"trainer.{key} is set by the runner; remove it (see run.* / logger.* / seed)")
+        elif key not in fields:
+            close = difflib.get_close_matches(key, [f for f in fields if f not in RUNNER_OWNED], n=1)
+            hint = f"; did you mean trainer.{close[0]}?" if close else ""
+            problems.append(
+                f"trainer.{key} is not a trl.GRPOConfig field (keys under trainer are TRL's own names{hint})"
+            )
+        elif not field_types.fits(value, fields[key][0]):
+            annotation = fields[key][0]
+            problems.append(
+                f"trainer.{key}={value!r} must be {field_types.describe(annotation)} "
+                f"(the type of trl.GRPOConfig.{key}; its default is {fields[key][1]!r})"
+            )
+    return problems
+
+
+def trainer_value(trainer: DictConfig, key: str):
+    """`trainer.<key>` as set, else GRPOConfig's default for it."""
+    if key in trainer:
+        return trainer[key]
+    return grpo_fields()[key][1]
+
+
+def _trainer_problems(cfg: DictConfig, world: int) -> list[str]:
     trainer = cfg.trainer
     problems: list[str] = []
-
-    problems += _unknown_trainer_keys(trainer)
-
-    if trainer.get("use_vllm"):
-        mem = trainer.get("vllm_gpu_memory_utilization", 0.3)
+    if trainer_value(trainer, "use_vllm"):
+        mem = trainer_value(trainer, "vllm_gpu_memory_utilization")
         if not 0 < float(mem) < 1:
             problems.append(
                 f"trainer.vllm_gpu_memory_utilization={mem} must be strictly between 0 and 1 "
                 "(the share of each GPU vLLM may take, e.g. 0.3)"
             )
-        if trainer.get("vllm_mode", "colocate") == "colocate":
-            tp = int(trainer.get("vllm_tensor_parallel_size", 1))
+        if trainer_value(trainer, "vllm_mode") == "colocate":
+            tp = int(trainer_value(trainer, "vllm_tensor_parallel_size"))
             if tp < 1 or world % tp:
                 problems.append(
                     f"trainer.vllm_tensor_parallel_size={tp} must divide the world size {world} "
                     f"(torchrun --nproc_per_node / parallelism.nproc_per_node); use one of {_divisors(world)}"
                 )
             problems += _heads_problems(cfg.model, tp, "trainer.vllm_tensor_parallel_size")
-        elif trainer.get("vllm_mode") == "server":
+        elif trainer_value(trainer, "vllm_mode") == "server":
             p = cfg.placement
             if not 0 < float(p.gpu_memory_utilization) < 1:
                 problems.append(
@@ -66,7 +155,7 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
                 cfg.model, int(p.server_tensor_parallel_size), "placement.server_tensor_parallel_size"
             )
 
-    num_gen = int(trainer.get("num_generations", 8))
+    num_gen = int(trainer_value(trainer, "num_generations"))
     batch = generation_batch_size(trainer, world)
     if num_gen < 2:
         problems.append(f"trainer.num_generations={num_gen} must be at least 2 (GRPO compares completions of a prompt)")
@@ -76,7 +165,64 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
             f"(per_device_train_batch_size × world size {world} × steps_per_generation); "
             f"use one of {[d for d in _divisors(batch) if d >= 2]} or change the batch"
         )
+    max_steps = trainer_value(trainer, "max_steps")
+    if max_steps < 1 and max_steps != -1:
+        problems.append(
+            f"trainer.max_steps={max_steps} must be a positive number of steps, or -1 to train "
+            "trainer.num_train_epochs over the dataset"
+        )
+    if OmegaConf.select(cfg, "telemetry.enabled") and int(trainer_value(trainer, "logging_steps")) != 1:
+        problems.append(
+            f"trainer.logging_steps={trainer.get('logging_steps')}: telemetry records every step, so it must be 1 "
+            "(or turn telemetry off with telemetry=off)"
+        )
+    problems += length_problems(cfg)
+    return problems
 
+
+def length_problems(cfg: DictConfig) -> list[str]:
+    """Prompt + completion must fit in the engine's context (trainer.vllm_max_model_length) and the model's
+    (max_position_embeddings, where its config is at hand). Each prompt is measured once the data is loaded
+    (training/prompt_lengths.py)."""
+    trainer, problems = cfg.trainer, []
+    completion = int(trainer_value(trainer, "max_completion_length"))
+    prompt = OmegaConf.select(cfg, "data.max_prompt_tokens")
+    prompt = prompt if isinstance(prompt, int) and prompt > 0 else None
+    engine = trainer_value(trainer, "vllm_max_model_length") if trainer_value(trainer, "use_vllm") else None
+    arch = None
+    if not OmegaConf.is_missing(cfg.model, "name_or_path") and not _model_problems(cfg.model):
+        arch = models.architecture(cfg.model)
+    context = arch.max_position_embeddings if arch else None
+    derive = "set trainer.vllm_max_model_length=null to derive it from the prompts and max_completion_length"
+    if engine is not None:
+        if completion >= engine:
+            problems.append(
+                f"trainer.max_completion_length={completion} leaves no room for a prompt in "
+                f"trainer.vllm_max_model_length={engine} (prompt + completion tokens); raise vllm_max_model_length, "
+                f"lower max_completion_length, or {derive}"
+            )
+        elif prompt is not None and prompt + completion > engine:
+            problems.append(
+                f"data.max_prompt_tokens={prompt} + trainer.max_completion_length={completion} = "
+                f"{prompt + completion} exceed trainer.vllm_max_model_length={engine}; raise vllm_max_model_length "
+                f"to {prompt + completion}, lower one of the two, or {derive}"
+            )
+        if context is not None and engine > context:
+            problems.append(
+                f"trainer.vllm_max_model_length={engine} exceeds the model's context of {context} tokens "
+                f"(max_position_embeddings, {arch.source}); use at most {context}"
+            )
+    elif context is not None and (prompt or 1) + completion > context:
+        problems.append(
+            f"trainer.max_completion_length={completion}"
+            + (f" + data.max_prompt_tokens={prompt}" if prompt else " + a prompt")
+            + f" exceed the model's context of {context} tokens (max_position_embeddings, {arch.source})"
+        )
+    return problems
+
+
+def _reward_problems(cfg: DictConfig) -> list[str]:
+    problems = []
     for module in OmegaConf.select(cfg, "reward.modules") or []:
         try:
             rewards.load_modules([module])
@@ -85,38 +231,13 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
                 f"reward.modules: cannot import {module!r} ({type(exc).__name__}: {exc}); "
                 "its directory must be on PYTHONPATH"
             )
-    weights = OmegaConf.select(cfg, "reward.weights") or {}
-    if not weights:
-        problems.append(f"reward.weights is empty; name at least one of {sorted(rewards.REGISTRY)}")
-    for name in weights:
-        if name not in rewards.REGISTRY:
-            problems.append(f"reward.weights.{name}: unknown reward '{name}'; registered: {sorted(rewards.REGISTRY)}")
-
-    max_steps = trainer.get("max_steps", -1)
-    if not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
-        problems.append(
-            f"trainer.max_steps={max_steps} must be a positive number of steps, or -1 to train "
-            "trainer.num_train_epochs over the dataset"
-        )
-    problems += _model_problems(cfg.model)
-    problems += _run_problems(cfg)
-    if cfg.placement.get("fast_sync") and not float(cfg.placement.sync_chunk_gb) > 0:
-        problems.append(
-            f"placement.sync_chunk_gb={cfg.placement.sync_chunk_gb} must be above 0 (GiB of gathered FSDP2 weights "
-            "loaded into vLLM at once, e.g. 1.0)"
-        )
-
-    if OmegaConf.select(cfg, "telemetry.enabled") and int(trainer.get("logging_steps", 500)) != 1:
-        problems.append(
-            f"trainer.logging_steps={trainer.get('logging_steps')}: telemetry records every step, so it must be 1 "
-            "(or turn telemetry off with telemetry=off)"
-        )
-
-    if cfg.parallelism.name == "zero3" and importlib.util.find_spec("deepspeed") is None:
-        problems.append("parallelism=zero3 needs the `deepspeed` package: pip install deepspeed (or use ddp / fsdp)")
-
-    if problems:
-        raise ConfigError(problems)
+    weights = OmegaConf.to_container(OmegaConf.select(cfg, "reward.weights") or OmegaConf.create({}), resolve=True)
+    params = OmegaConf.to_container(OmegaConf.select(cfg, "reward.params") or OmegaConf.create({}), resolve=True)
+    problems += rewards.problems(weights, params)
+    needs = {name: rewards.required_columns(name) for name in weights if name in rewards.REGISTRY}
+    if not _missing_keys(cfg.data):
+        problems += data.problems(cfg.data, needs)
+    return problems
 
 
 def gpu_only_problems(cfg: DictConfig) -> list[str]:
@@ -146,19 +267,6 @@ def _run_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _unknown_trainer_keys(trainer: DictConfig) -> list[str]:
-    from trl import GRPOConfig
-
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    problems = []
-    for key in trainer:
-        if key not in fields:
-            problems.append(f"trainer.{key} is not a trl.GRPOConfig field (keys under trainer/ are TRL's own names)")
-        elif key in RUNNER_OWNED:
-            problems.append(f"trainer.{key} is set by the runner; remove it (see run.* / logger.* / seed)")
-    return problems
-
-
 def _model_problems(model: DictConfig) -> list[str]:
     if model.get("build"):
         if model.build not in SHAPES:
@@ -176,12 +284,15 @@ def _model_problems(model: DictConfig) -> list[str]:
 
 
 def _heads_problems(model: DictConfig, tp: int, key: str) -> list[str]:
-    if tp < 1 or _model_problems(model):
+    if tp < 1 or OmegaConf.is_missing(model, "name_or_path") or _model_problems(model):
         return []  # reported elsewhere
     try:
         heads, kv_heads = attention_heads(model)
     except Exception as exc:  # an unreachable hub id: say so instead of failing later inside vLLM
-        return [f"model.name_or_path={model.name_or_path!r}: cannot read its config ({type(exc).__name__}: {exc})"]
+        return [
+            f"model.name_or_path={model.name_or_path!r}: cannot read its config.json ({type(exc).__name__}: {exc}); "
+            "give a local model directory or a hub id (org/name) that exists and is reachable from here"
+        ]
     problems = []
     for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
         if n % tp:
@@ -195,12 +306,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str]):
-    """trl.GRPOConfig from `trainer.*` plus what the runner owns (output dir, reporting, seed, reward weights)."""
+def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived: dict | None = None):
+    """trl.GRPOConfig from `trainer.*` plus what the runner owns (output dir, reporting, seed, reward weights) and
+    what was derived from the data where the config leaves it unset (`derived`, e.g. vllm_max_model_length).
+    TRL's own checks (GRPOConfig.__post_init__) refuse with a ConfigError naming the trainer keys."""
     import torch
     from trl import GRPOConfig
 
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    for key, value in (derived or {}).items():
+        if kwargs.get(key) is None:
+            kwargs[key] = value
     if not torch.cuda.is_available():
         # Without it, transformers ignores torchrun on CPU and every rank trains alone (world size 1).
         kwargs.setdefault("use_cpu", True)
@@ -215,14 +331,19 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str]):
         ours.update(fast_output_kwargs())
     if ours:
         kwargs["generation_kwargs"] = {**ours, **(kwargs.get("generation_kwargs") or {})}
-    return GRPOConfig(
-        output_dir=output_dir,
-        report_to=report_to,
-        run_name=cfg.run.name,
-        seed=int(cfg.seed),
-        reward_weights=[float(w) for w in cfg.reward.weights.values()],
-        **kwargs,
-    )
+    ours = {
+        "output_dir": output_dir,
+        "report_to": report_to,
+        "run_name": cfg.run.name,
+        "seed": int(cfg.seed),
+        "reward_weights": [float(w) for w in cfg.reward.weights.values()],
+    }
+    try:
+        return GRPOConfig(**ours, **kwargs)
+    except (ValueError, TypeError) as exc:  # TRL's and transformers' own rules on the combination of settings
+        raise ConfigError(
+            [f"trainer: trl.GRPOConfig refuses these settings: {exc} (field names are trainer.* keys)"]
+        ) from exc
 
 
 def fixed_length_kwargs(trainer: dict) -> dict:

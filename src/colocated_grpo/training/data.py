@@ -1,12 +1,32 @@
-"""Prompt datasets: synthetic arithmetic (offline), GSM8K (hub) and local files, all as conversational prompts
-with an `answer` column that the rewards read."""
+"""Prompt datasets: synthetic arithmetic (offline), GSM8K (hub), and any dataset of yours, from the hub or local files
+(`data=hub`, `data=local`). Every row gets a `prompt` (chat messages, or plain text with `chat_template: false`) and,
+where there is a reference answer, an `answer` column that rewards such as exact_answer read; the dataset's other
+columns stay, so a reward of yours can read them by name.
+
+`problems` checks a data config, and the dataset's columns where they can be read without a download, before
+anything loads; `build` loads the dataset and checks the same things on what it loaded (a hub dataset's columns)."""
 
 from __future__ import annotations
 
+import difflib
 import random
 from collections.abc import Iterator
+from pathlib import Path
+
+from omegaconf import OmegaConf
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+SOURCES = ("arithmetic", "gsm8k", "hub", "local")
+OVERLONG = ("fail", "drop", "truncate")  # what to do with prompts over the length limit (training/prompt_lengths.py)
+READERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
+
+
+class DataError(ValueError):
+    """The dataset cannot be used as configured; `problems` name each key and its fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
 
 
 def arithmetic_problems(num_samples: int, max_operand: int, operations, seed: int) -> list[dict]:
@@ -34,8 +54,125 @@ def _conversation(question: str, system_prompt: str | None) -> list[dict]:
     return [*messages, {"role": "user", "content": question}]
 
 
-def build(data_cfg):
-    """Return a `datasets.Dataset` with `prompt` (list of chat messages) and `answer` columns."""
+def output_columns(data_cfg, source_columns: list[str] | None) -> set[str] | None:
+    """The columns rows will have (what rewards can read), or None when the source's columns are not known yet."""
+    if data_cfg.source in ("arithmetic", "gsm8k"):
+        return {"prompt", "answer"}
+    if source_columns is None:
+        return None
+    return {*source_columns, "prompt"} | ({"answer"} if data_cfg.get("answer_column") else set())
+
+
+def problems(data_cfg, reward_columns: dict[str, list[str]]) -> list[str]:
+    """Everything wrong with `data.*`, and the columns the rewards need (reward name -> its required columns), checked
+    against the dataset where it can be read here (local files or directories; a hub dataset is checked once loaded)."""
+    source = data_cfg.get("source")
+    if source not in SOURCES:
+        return [f"data.source={source!r} is unknown; choose one of {list(SOURCES)} (data=hub for a dataset of yours)"]
+    found = _option_problems(data_cfg)
+    columns = None
+    if source in ("hub", "local") and not found and _is_local(data_cfg):
+        try:
+            columns = _load_source(data_cfg).column_names
+        except DataError as err:
+            return found + err.problems
+    found += column_problems(data_cfg, columns, reward_columns)
+    return found
+
+
+def column_problems(data_cfg, source_columns: list[str] | None, reward_columns: dict[str, list[str]]) -> list[str]:
+    """The configured columns against the source's (when known), and what the rewards need against what rows have."""
+    found = []
+    where = _where(data_cfg)
+    if source_columns is not None:
+        for key in ("prompt_column", "answer_column"):
+            column = data_cfg.get(key)
+            if column is not None and column not in source_columns:
+                fix = _closest(column, source_columns)
+                also = " or data.answer_column=null for a prompt-only dataset" if key == "answer_column" else ""
+                found.append(
+                    f"data.{key}={column!r} is not a column of {where} (its columns: {source_columns}); "
+                    f"set data.{key}={fix}{also}"
+                )
+    have = output_columns(data_cfg, source_columns)
+    no_answer = data_cfg.source in ("hub", "local") and not data_cfg.get("answer_column")
+    for reward, needed in reward_columns.items():
+        for column in needed:
+            if column == "answer" and no_answer and "answer" not in (source_columns or ()):
+                found.append(
+                    f"reward.weights.{reward}: '{reward}' needs a reference answer, and data.answer_column is null; "
+                    "set data.answer_column=<the column holding the answer> or use rewards that need none "
+                    "(e.g. reward=length or reward=length_chars)"
+                )
+            elif have is not None and column not in have:
+                found.append(
+                    f"reward.weights.{reward}: '{reward}' reads the dataset column '{column}', which {where} lacks "
+                    f"(columns: {sorted(have)}); use another dataset or reward"
+                )
+    return found
+
+
+def _option_problems(data_cfg) -> list[str]:
+    found = []
+    policy = data_cfg.get("overlong_prompts", "fail")
+    if policy not in OVERLONG:
+        found.append(f"data.overlong_prompts={policy!r} must be one of {list(OVERLONG)}")
+    limit = data_cfg.get("max_prompt_tokens")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        found.append(f"data.max_prompt_tokens={limit!r} must be a positive number of tokens, or null")
+    num = data_cfg.get("num_samples")
+    if num is not None and (not isinstance(num, int) or isinstance(num, bool) or num < 1):
+        found.append(f"data.num_samples={num!r} must be a positive number of rows, or null for all")
+    chat = data_cfg.get("chat_template", True)
+    if not isinstance(chat, bool):
+        found.append(f"data.chat_template={chat!r} must be true (chat messages) or false (plain text prompts)")
+    elif not chat and data_cfg.get("system_prompt"):
+        found.append(
+            "data.system_prompt is set but data.chat_template=false: a plain-text prompt has no system turn; "
+            "set data.chat_template=true or data.system_prompt=null"
+        )
+    if data_cfg.source in ("hub", "local"):
+        if data_cfg.source == "local":
+            found += _file_problems(data_cfg)
+        if not isinstance(data_cfg.get("prompt_column"), str):
+            found.append("data.prompt_column must name the column holding the prompts (e.g. data.prompt_column=prompt)")
+    return found
+
+
+def _file_problems(data_cfg) -> list[str]:
+    if OmegaConf.is_missing(data_cfg, "files"):
+        return []  # reported with the other missing values
+    found = []
+    for f in _files(data_cfg):
+        suffix = f.rsplit(".", 1)[-1].lower()
+        if suffix not in READERS:
+            found.append(f"data.files={f!r}: cannot read '.{suffix}' files; use json, jsonl, parquet or csv")
+        elif "://" not in f and not Path(f).expanduser().is_file():
+            found.append(f"data.files={f!r}: no such file (give an existing json, jsonl, parquet or csv file)")
+        elif "://" not in f and Path(f).expanduser().stat().st_size == 0:
+            found.append(f"data.files={f!r} is empty: it holds no rows")
+    return found
+
+
+def build(data_cfg, reward_columns: dict[str, list[str]] | None = None):
+    """The `datasets.Dataset` of prompts (and answers) to train on; DataError names everything that does not fit,
+    the columns the rewards need (reward name -> columns) included."""
+    ds = _build(data_cfg)
+    found = []
+    for reward, columns in (reward_columns or {}).items():
+        for column in columns:
+            if column not in ds.column_names:
+                fix = "set data.answer_column=<the column holding the answer> or" if column == "answer" else ""
+                found.append(
+                    f"reward.weights.{reward}: '{reward}' reads the dataset column '{column}', which the rows of "
+                    f"{_where(data_cfg)} lack (they have {ds.column_names}); {fix} use another reward"
+                )
+    if found:
+        raise DataError(found)
+    return ds
+
+
+def _build(data_cfg):
     import datasets
 
     source = data_cfg.source
@@ -55,34 +192,87 @@ def build(data_cfg):
             remove_columns=ds.column_names,
         )
         return _limit(ds, data_cfg.get("num_samples"))
-    if source == "local":
-        ds = _load_local(data_cfg.files)
-        for key in ("prompt_column", "answer_column"):
-            if data_cfg[key] not in ds.column_names:
-                raise ValueError(f"data.{key}={data_cfg[key]!r} is not a column of {data_cfg.files}: {ds.column_names}")
-        prompt_col, answer_col = data_cfg.prompt_column, data_cfg.answer_column
-        ds = ds.map(
-            lambda r: {
-                "prompt": r[prompt_col]
-                if isinstance(r[prompt_col], list)
-                else _conversation(r[prompt_col], system_prompt),
-                "answer": str(r[answer_col]),
-            },
-            remove_columns=ds.column_names,
-        )
-        return _limit(ds, data_cfg.get("num_samples"))
-    raise ValueError(f"data.source={source!r} is unknown; choose arithmetic, gsm8k or local")
+    ds = _load_source(data_cfg)
+    if found := column_problems(data_cfg, ds.column_names, {}):
+        raise DataError(found)
+    prompt_col, answer_col = data_cfg.prompt_column, data_cfg.get("answer_column")
+    chat = data_cfg.get("chat_template", True)
+
+    def row(r):
+        prompt = r[prompt_col]
+        if isinstance(prompt, str) and chat:
+            prompt = _conversation(prompt, system_prompt)
+        out = {"prompt": prompt}
+        if answer_col:
+            out["answer"] = None if r[answer_col] is None else str(r[answer_col])
+        return out
+
+    drop = [prompt_col] if prompt_col != "prompt" else []
+    return _limit(ds.map(row, remove_columns=drop), data_cfg.get("num_samples"))
 
 
-def _load_local(files):
+def _load_source(data_cfg):
+    """The dataset as stored: `files` (data=local) or `path` / `name` / `split` (data=hub; a local directory or file
+    works the same way). Failures name the key to change."""
     import datasets
 
-    files = [files] if isinstance(files, str) else list(files)
-    suffix = files[0].rsplit(".", 1)[-1].lower()
-    builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(suffix)
-    if builder is None:
-        raise ValueError(f"data.files: cannot read '.{suffix}' files; use json, jsonl, parquet or csv")
-    return datasets.load_dataset(builder, data_files=files, split="train")
+    try:
+        if data_cfg.source == "local":
+            files = _files(data_cfg)
+            builder = READERS.get(files[0].rsplit(".", 1)[-1].lower())
+            ds = datasets.load_dataset(builder, data_files=files, split="train")
+        else:
+            path = str(data_cfg.path)
+            if Path(path).expanduser().is_file() and Path(path).expanduser().stat().st_size == 0:
+                raise DataError([f"data.path={path!r} is empty: it holds no rows"])
+            if Path(path).expanduser().is_file():  # one data file: read it as data=local would (split: train)
+                builder = READERS.get(path.rsplit(".", 1)[-1].lower(), "json")
+                ds = datasets.load_dataset(builder, data_files=[str(Path(path).expanduser())], split="train")
+            else:
+                ds = datasets.load_dataset(path, data_cfg.get("name"), split=data_cfg.split)
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(
+            [f"{_where(data_cfg)} cannot be read ({type(exc).__name__}: {exc}); {_source_fix(data_cfg)}"]
+        ) from exc
+    if len(ds) == 0:
+        raise DataError([f"{_where(data_cfg)} holds no rows; {_source_fix(data_cfg)}"])
+    return ds
+
+
+def _is_local(data_cfg) -> bool:
+    if data_cfg.source == "local":
+        return not _file_problems(data_cfg) and all("://" not in f for f in _files(data_cfg))
+    return not OmegaConf.is_missing(data_cfg, "path") and Path(str(data_cfg.path)).expanduser().exists()
+
+
+def _files(data_cfg) -> list[str]:
+    files = data_cfg.files
+    return [str(files)] if isinstance(files, str) else [str(f) for f in files]
+
+
+def _where(data_cfg) -> str:
+    if data_cfg.source == "local":
+        return f"data.files={_files(data_cfg)}" if not OmegaConf.is_missing(data_cfg, "files") else "data.files"
+    name = f", data.name={data_cfg.get('name')!r}" if data_cfg.get("name") else ""
+    return f"data.path={data_cfg.get('path')!r}{name} (split {data_cfg.get('split')!r})"
+
+
+def _source_fix(data_cfg) -> str:
+    if data_cfg.source == "local":
+        return "give data.files=<json, jsonl, parquet or csv files with rows>"
+    return (
+        "give data.path=<hub dataset name or local directory or file>, data.name=<its config, if it has several> and "
+        "data.split=<an existing split, e.g. train>"
+    )
+
+
+def _closest(column: str, columns: list[str]) -> str:
+    close = difflib.get_close_matches(column, columns, n=1) or [
+        c for c in ("prompt", "question", "problem", "messages", "text") if c in columns
+    ]
+    return close[0] if close else f"<one of {columns}>"
 
 
 def _limit(ds, num_samples):

@@ -61,20 +61,76 @@ def resolve(model_cfg) -> str:
     return str(model_cfg.name_or_path)
 
 
-def attention_heads(model_cfg) -> tuple[int, int]:
-    """(attention heads, KV heads) without loading weights: declared in the model config, from the builder's shape,
-    or from the model's config.json."""
-    if model_cfg.get("attention_heads"):
-        return int(model_cfg.attention_heads), int(model_cfg.get("kv_heads") or model_cfg.attention_heads)
-    if model_cfg.build:
-        shape = SHAPES[model_cfg.build]
-        return shape.num_attention_heads, shape.num_key_value_heads
-    from transformers import AutoConfig
+@dataclass(frozen=True)
+class Architecture:
+    """What the checks before a run need of a model, read without loading weights; `source` says where from."""
 
-    config = AutoConfig.from_pretrained(str(model_cfg.name_or_path))
-    config = getattr(config, "text_config", config)
-    heads = config.num_attention_heads
-    return heads, getattr(config, "num_key_value_heads", None) or heads
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int | None
+    max_position_embeddings: int | None
+    source: str
+
+
+def architecture(model_cfg, network: bool = False) -> Architecture | None:
+    """The model's architecture, from the first of: its config.json (a local directory, a built model that exists, a
+    hub id already in the Hugging Face cache), the builder's shape, what the preset declares for its own hub id
+    (`published`, ignored once name_or_path names another model), and, with `network`, the hub. None: unknown."""
+    path = local_config_json(model_cfg)
+    if path is not None:
+        return _from_config_json(path)
+    if model_cfg.get("build"):
+        s = SHAPES[model_cfg.build]
+        return Architecture(
+            s.num_attention_heads, s.num_key_value_heads, s.vocab_size, s.max_position_embeddings, "builder shape"
+        )
+    published = model_cfg.get("published")
+    if published and str(published.get("id")) == str(model_cfg.name_or_path):
+        return Architecture(
+            int(published.num_attention_heads),
+            int(published.get("num_key_value_heads") or published.num_attention_heads),
+            published.get("vocab_size"),
+            published.get("max_position_embeddings"),
+            f"the published config of {published.id} (model.published)",
+        )
+    if network:
+        from huggingface_hub import hf_hub_download
+
+        return _from_config_json(Path(hf_hub_download(str(model_cfg.name_or_path), "config.json")))
+    return None
+
+
+def local_config_json(model_cfg) -> Path | None:
+    """config.json of the model where it is on this machine already (a directory, or the Hugging Face cache)."""
+    name = str(model_cfg.name_or_path)
+    directory = Path(name).expanduser()
+    if (directory / "config.json").is_file():
+        return directory / "config.json"
+    if model_cfg.get("build") or name.count("/") != 1 or name.startswith(("/", ".", "~")):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json")
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _from_config_json(path: Path) -> Architecture:
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)  # multimodal models keep the language model's settings there
+    heads = int(config["num_attention_heads"])
+    return Architecture(
+        heads,
+        int(config.get("num_key_value_heads") or heads),
+        config.get("vocab_size"),
+        config.get("max_position_embeddings"),
+        str(path),
+    )
+
+
+def attention_heads(model_cfg) -> tuple[int, int]:
+    """(attention heads, KV heads) without loading weights (see `architecture`; the hub is asked last)."""
+    arch = architecture(model_cfg, network=True)
+    return arch.num_attention_heads, arch.num_key_value_heads
 
 
 def build(shape_name: str, target: Path) -> Path:

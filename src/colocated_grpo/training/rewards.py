@@ -5,18 +5,25 @@ completion, `None` where it does not apply (TRL then ignores it). `columns` are 
 `answer`) and TRL's extras (`completion_ids`, ...). Math answers are checked with math-verify.
 
 Rewards of your own: decorate them with `@register` in a module of yours and name it in `reward.modules`
-(`+reward.modules=[my_rewards]`, importable from PYTHONPATH); they can then be used in `reward.weights`.
+(`reward.modules=[my_rewards]`, importable from PYTHONPATH); they can then be used in `reward.weights`, and their
+keyword parameters with defaults set in `reward.params.<name>` (see examples/my_rewards.py). Parameters without a
+default are dataset columns, which the checks before a run require the dataset to have.
 A NaN or infinite score stops the run, naming the function and the sample (`run.stop_on_nonfinite`); return
 None, not NaN, where a reward does not apply.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
+import inspect
 import math
 import re
+import typing
 from collections.abc import Callable
+
+from colocated_grpo.training.field_types import describe, fits
 
 RewardFn = Callable[..., list]
 REGISTRY: dict[str, RewardFn] = {}
@@ -72,6 +79,84 @@ def length(
     """1 at `target` tokens, falling linearly to 0 at 0 and 2×target tokens (characters if no ids are given)."""
     sizes = [len(ids) for ids in completion_ids] if completion_ids is not None else [len(t) for t in completions]
     return [max(0.0, 1.0 - abs(n - target) / target) for n in sizes]
+
+
+@register
+def length_chars(completions: list[str], target: int = 20, **_) -> list[float]:
+    """-|target - characters|: 0 at exactly `target` characters, one point less per character off (TRL's GRPO
+    example reward, `-abs(20 - len(completion))`)."""
+    return [-float(abs(target - len(text))) for text in completions]
+
+
+# What TRL passes every reward besides the dataset's columns: not parameters to set in reward.params.
+TRL_EXTRAS = ("prompts", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+
+
+def parameters(name: str) -> dict[str, inspect.Parameter]:
+    """The settable parameters of a registered reward: keyword parameters with a default, other than TRL's extras."""
+    return {
+        p.name: p
+        for p in inspect.signature(REGISTRY[name]).parameters.values()
+        if p.default is not inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in TRL_EXTRAS
+    }
+
+
+def required_columns(name: str) -> list[str]:
+    """The dataset columns a registered reward needs: its parameters without a default, after `completions`."""
+    return [
+        p.name
+        for p in list(inspect.signature(REGISTRY[name]).parameters.values())[1:]
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in TRL_EXTRAS
+    ]
+
+
+def problems(weights: dict, params: dict) -> list[str]:
+    """`reward.weights` and `reward.params` against the registry (modules already imported): unknown rewards,
+    weights that are not numbers, parameters a reward does not take or of the wrong type."""
+    found = []
+    if not weights:
+        found.append(f"reward.weights is empty; name at least one of {sorted(REGISTRY)} (e.g. reward.weights.length=1)")
+    for name, weight in weights.items():
+        if name not in REGISTRY:
+            close = difflib.get_close_matches(name, REGISTRY, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            found.append(f"reward.weights.{name}: unknown reward '{name}'{hint}; registered: {sorted(REGISTRY)}")
+        elif not fits(weight, float):
+            found.append(f"reward.weights.{name}={weight!r} must be a number (the weight of '{name}' in the sum)")
+        elif not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(REGISTRY[name]).parameters.values()):
+            found.append(
+                f"reward.weights.{name}: '{name}' must take **kwargs (TRL passes every reward the dataset's columns "
+                "and its own extras, e.g. trainer_state)"
+            )
+    for name, values in (params or {}).items():
+        if name not in weights:
+            found.append(
+                f"reward.params.{name}: no reward '{name}' in reward.weights {sorted(weights)}; add "
+                f"reward.weights.{name}=<weight> or remove reward.params.{name}"
+            )
+            continue
+        if name not in REGISTRY:
+            continue  # reported above
+        accepted = parameters(name)
+        try:
+            hints = typing.get_type_hints(REGISTRY[name])
+        except Exception:  # annotations that do not resolve: leave the values to the reward
+            hints = {}
+        for key, value in (values or {}).items():
+            if key not in accepted:
+                close = difflib.get_close_matches(key, accepted, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                found.append(
+                    f"reward.params.{name}.{key}: reward '{name}' takes no parameter '{key}'{hint}; its parameters: "
+                    f"{sorted(accepted) or 'none'}"
+                )
+            elif key in hints and not fits(value, hints[key]):
+                found.append(f"reward.params.{name}.{key}={value!r} must be {describe(hints[key])}")
+    return found
 
 
 def load_modules(names) -> None:

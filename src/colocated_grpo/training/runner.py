@@ -16,7 +16,7 @@ from colocated_grpo.resilience import attempts, checkpoints, preemption, redacti
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
-from colocated_grpo.training import config, data, models, rewards, rollout_log, wandb_logging
+from colocated_grpo.training import config, models, preflight, rewards, rollout_log, wandb_logging
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +40,22 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     try:
         config.validate(cfg, world)
         _refuse_gpu_only_settings_without_gpu(cfg)
+        # the dataset, each prompt's length and TRL's own rules, still before W&B starts and the model loads
+        prepared = preflight.prepare(cfg, run_dir, report_to(cfg))
     except config.ConfigError as err:
         if main:
             attempts.record_refusal(run_dir, err, {"command": sys.argv, "overrides": hydra_internals.task_overrides()})
+        _close_process_group()  # GRPOConfig may have started it
         raise
     held = checkpoints.lock(run_dir) if main else None
     try:
-        return _run(cfg, run_dir, main, world)
+        return _run(cfg, run_dir, main, world, prepared)
     finally:
         if held is not None:
             held.release()
 
 
-def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int) -> Path:
+def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: preflight.Prepared) -> Path:
     resume = checkpoints.plan(cfg, run_dir, main)
     resume_command = attempts.resume_command(run_dir)
     _prepare_environment(cfg)
@@ -70,12 +73,14 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int) -> Path:
         attempts.prepare_run_dir(cfg, run_dir, resume)
     wandb_run = wandb_logging.start(cfg, run_dir, metadata, resume) if main else None
     record.start(wandb_run)
+    if prepared.prompts is not None:
+        record.note(prompts=prepared.prompts)  # how long the prompts are, and what was dropped or truncated
 
     stopper = preemption.StopOnSignal()
     status, exit_code, error, interrupted = "failed", 1, None, None
     try:
         with stopper.installed():
-            trainer = _start_trainer(cfg, run_dir)
+            trainer = _start_trainer(cfg, run_dir, prepared)
             # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
             record.note(distributed_type=trainer.accelerator.distributed_type.value)
             trainer.add_callback(wandb_rewind.RecordWandbStep())
@@ -143,16 +148,18 @@ def run_and_exit(cfg: DictConfig) -> None:
     os._exit(0)
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path):
+def report_to(cfg: DictConfig) -> list[str]:
+    return ["wandb"] if cfg.logger.backend == "wandb" and is_main_process() else []
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
     from trl import GRPOTrainer
 
     model_path = models.resolve(cfg.model)
-    train_dataset = data.build(cfg.data)
     reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
     if is_main_process():
         reward_funcs[0] = rollout_log.recording(reward_funcs[0], run_dir)
-    report_to = ["wandb"] if cfg.logger.backend == "wandb" and is_main_process() else []
-    args = config.grpo_config(cfg, output_dir=str(run_dir), report_to=report_to)
+    args, train_dataset = prepared.args, prepared.dataset
     metrics_file = MetricsFileCallback(run_dir, warmup_steps=int(cfg.telemetry.warmup_steps))
     trainer = GRPOTrainer(
         model=model_path,
@@ -229,10 +236,10 @@ def _close_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _start_trainer(cfg: DictConfig, run_dir: Path):
+def _start_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
     """build_trainer, with memory failures of vLLM's start-up explained in terms of our config keys."""
     try:
-        return build_trainer(cfg, run_dir)
+        return build_trainer(cfg, run_dir, prepared)
     except Exception as exc:
         explained = startup_errors.explain_startup_error(exc, cfg)
         if explained is None:

@@ -1,0 +1,73 @@
+"""What the runner checks once the config is valid and before W&B starts or the model loads: the dataset as loaded
+(columns, rows), every prompt's length in the model's tokens, and TRL's own rules on the trainer settings
+(GRPOConfig.__post_init__). Every problem of the three is reported at once, as a ConfigError."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from colocated_grpo.training import config, data, models, prompt_lengths, rewards
+
+
+@dataclass
+class Prepared:
+    args: object  # trl.GRPOConfig
+    dataset: object  # datasets.Dataset
+    prompts: dict | None  # prompt_lengths.PromptReport.as_dict(), for run.json
+
+
+def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
+    problems: list[str] = []
+    needs = {name: rewards.required_columns(name) for name in cfg.reward.weights if name in rewards.REGISTRY}
+    dataset = report = None
+    derived: dict = {}
+    try:
+        dataset = data.build(cfg.data, needs)
+    except data.DataError as err:
+        problems += err.problems
+    if dataset is not None:
+        dataset, report, found = _fit_prompts(cfg, dataset, derived)
+        problems += found
+    try:
+        args = config.grpo_config(cfg, output_dir=str(run_dir), report_to=report_to, derived=derived)
+    except config.ConfigError as err:
+        problems += err.problems
+    if problems:
+        raise config.ConfigError(problems)
+    prompts = {**report.as_dict(), **({"derived": derived} if derived else {})} if report else None
+    return Prepared(args, dataset, prompts)
+
+
+def _fit_prompts(cfg: DictConfig, dataset, derived: dict):
+    """Measure (and drop or truncate) the prompts; set `derived["vllm_max_model_length"]` when the config leaves it
+    unset: the longest prompt kept plus max_completion_length, within the model's context."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(models.resolve(cfg.model))
+    except Exception as exc:
+        return dataset, None, [f"model.name_or_path={cfg.model.name_or_path!r}: cannot load its tokenizer ({exc})"]
+    trainer = cfg.trainer
+    arch = models.architecture(cfg.model)
+    context = arch.max_position_embeddings if arch else None
+    problems = []
+    if arch and arch.vocab_size and len(tokenizer) > arch.vocab_size:
+        problems.append(
+            f"model.name_or_path={cfg.model.name_or_path!r}: its tokenizer has {len(tokenizer)} tokens but the model "
+            f"only {arch.vocab_size} embeddings (vocab_size, {arch.source}); use the tokenizer saved with the model"
+        )
+    use_vllm = config.trainer_value(trainer, "use_vllm")
+    engine = config.trainer_value(trainer, "vllm_max_model_length") if use_vllm else None
+    completion = int(config.trainer_value(trainer, "max_completion_length"))
+    max_prompt = OmegaConf.select(cfg, "data.max_prompt_tokens")
+    limit, limit_from = prompt_lengths.prompt_limit(max_prompt, engine, completion, context)
+    policy = cfg.data.get("overlong_prompts", "fail")
+    dataset, report, found = prompt_lengths.fit(dataset, tokenizer, limit, limit_from, policy)
+    problems += found
+    if use_vllm and engine is None and not found:
+        longest = min(report.longest_tokens, limit) if limit is not None else report.longest_tokens
+        derived["vllm_max_model_length"] = min(longest + completion, context or longest + completion)
+    return dataset, report, problems

@@ -1,0 +1,109 @@
+"""Every prompt measured in the model's tokens (chat template included) against the length it may have, before the
+model or the engine loads: a prompt over it would otherwise fail inside vLLM at the first step. Over-long prompts
+fail the run, are dropped or are truncated (their start cut, the end kept), as `data.overlong_prompts` says."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class PromptReport:
+    """What was done to the prompts; recorded in run.json as `prompts`."""
+
+    rows: int
+    limit_tokens: int | None
+    limit_from: str
+    longest_tokens: int
+    overlong: int
+    policy: str
+    dropped: int = 0
+    truncated: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def prompt_limit(max_prompt_tokens, engine_length, completion: int, context) -> tuple[int | None, str]:
+    """(the most tokens a prompt may have, the keys it comes from): data.max_prompt_tokens if set, else what
+    trainer.vllm_max_model_length (or, unset, the model's context) leaves after trainer.max_completion_length."""
+    if max_prompt_tokens:
+        return int(max_prompt_tokens), "data.max_prompt_tokens"
+    if engine_length:
+        return int(engine_length) - completion, "trainer.vllm_max_model_length - trainer.max_completion_length"
+    if context:
+        return int(context) - completion, "the model's max_position_embeddings - trainer.max_completion_length"
+    return None, "none (the model's context is unknown)"
+
+
+def measure(dataset, tokenizer):
+    """The dataset with a `_prompt_tokens` column: each prompt's length as the model will see it."""
+
+    def count(batch):
+        return {"_prompt_tokens": [len(_ids(tokenizer, p)) for p in batch["prompt"]]}
+
+    return dataset.map(count, batched=True, desc="measuring prompts")
+
+
+def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
+    """(dataset whose prompts fit in `limit` tokens, PromptReport, problems): with policy `fail`, one problem that
+    names the keys to change when a prompt is too long; `drop` and `truncate` fix the data instead."""
+    measured = measure(dataset, tokenizer)
+    lengths = measured["_prompt_tokens"]
+    longest = max(lengths, default=0)
+    over = [i for i, n in enumerate(lengths) if limit is not None and n > limit]
+    report = PromptReport(len(lengths), limit, limit_from, longest, len(over), policy)
+    if not over:
+        return dataset, report, []
+    if policy == "fail":
+        return (
+            dataset,
+            report,
+            [
+                f"data: {len(over)} of {len(lengths)} prompts are longer than {limit} tokens ({limit_from}); the "
+                f"longest has {longest} (row {lengths.index(longest)}). Set data.overlong_prompts=truncate (keep each "
+                "prompt's end) or data.overlong_prompts=drop, or make room: raise trainer.vllm_max_model_length, "
+                "lower trainer.max_completion_length, or set data.max_prompt_tokens"
+            ],
+        )
+    if policy == "drop":
+        keep = sorted(set(range(len(lengths))) - set(over))
+        report.dropped = len(over)
+        if not keep:
+            return dataset, report, [f"data: every prompt is longer than {limit} tokens ({limit_from})"]
+        return dataset.select(keep), report, []
+    over_set = set(over)
+    truncated = dataset.map(
+        lambda row, i: {"prompt": truncate(row["prompt"], tokenizer, limit)} if i in over_set else {},
+        with_indices=True,
+        desc="truncating prompts",
+    )
+    report.truncated = len(over)
+    return truncated, report, []
+
+
+def truncate(prompt, tokenizer, limit: int):
+    """The prompt cut from its start (of its text, or of the last message's content) until it has `limit` tokens."""
+    for _ in range(8):  # decoding and re-encoding can merge tokens differently: measure again
+        excess = len(_ids(tokenizer, prompt)) - limit
+        if excess <= 0:
+            return prompt
+        if isinstance(prompt, str):
+            prompt = _cut(tokenizer, prompt, excess)
+        else:
+            last = dict(prompt[-1])
+            last["content"] = _cut(tokenizer, last["content"], excess)
+            prompt = [*prompt[:-1], last]
+    return prompt
+
+
+def _cut(tokenizer, text: str, tokens: int) -> str:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids[tokens:])
+
+
+def _ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

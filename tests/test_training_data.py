@@ -1,0 +1,191 @@
+"""Datasets of yours (hub form, local files, prompt-only), checked before anything loads; prompts measured and fitted
+to the length they may have, as the config chooses."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from colocated_grpo.training import data, models, preflight, prompt_lengths
+from colocated_grpo.training.config import ConfigError, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+POST = "SUBREDDIT: r/AskReddit TITLE: my neighbour keeps borrowing my ladder POST: " + "It happened again today. " * 4
+
+
+def compose_train(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=["+experiment=tiny_cpu", *overrides], return_hydra_config=False)
+
+
+@pytest.fixture(autouse=True)
+def _offline_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLOCATED_GRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def tldr_dir(tmp_path) -> Path:
+    """A dataset directory shaped like trl-lib/tldr: text prompts ending in 'TL;DR:', a reference completion."""
+    rows = [{"prompt": f"{POST} ({i})\nTL;DR:", "completion": " lend it less"} for i in range(8)]
+    write_jsonl(tmp_path / "tldr" / "train.jsonl", rows)
+    return tmp_path / "tldr"
+
+
+def problems_of(*overrides) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_train(*overrides), 1)
+    return err.value.problems
+
+
+def test_hub_form_reads_a_local_dataset_directory_prompt_only(tldr_dir):
+    cfg = compose_train("data=hub", f"data.path={tldr_dir}", "reward=length_chars")
+    validate(cfg, 1)
+    ds = data.build(cfg.data)
+    assert set(ds.column_names) == {"prompt", "completion"} and len(ds) == 8  # no answer: prompt-only
+    assert ds[0]["prompt"][-1] == {"role": "user", "content": f"{POST} (0)\nTL;DR:"}
+    cfg = compose_train("data=hub", f"data.path={tldr_dir}", "data.chat_template=false", "data.num_samples=3")
+    ds = data.build(cfg.data)
+    assert ds[0]["prompt"] == f"{POST} (0)\nTL;DR:" and len(ds) == 3
+
+
+def test_columns_are_checked_before_loading_all_at_once_with_fixes(tldr_dir):
+    found = problems_of(
+        "data=hub", f"data.path={tldr_dir}", "data.prompt_column=promt", "data.answer_column=label", "reward=arithmetic"
+    )
+    assert len(found) == 2, found
+    assert found[0].startswith("data.prompt_column='promt' is not a column of data.path=")
+    assert found[0].endswith("set data.prompt_column=prompt")
+    assert "data.answer_column='label' is not a column" in found[1] and "data.answer_column=null" in found[1]
+
+
+def test_a_reward_that_needs_an_answer_refuses_a_prompt_only_dataset(tldr_dir):
+    found = problems_of("data=hub", f"data.path={tldr_dir}", "reward=arithmetic")
+    assert found == [
+        "reward.weights.exact_answer: 'exact_answer' needs a reference answer, and data.answer_column is null; set "
+        "data.answer_column=<the column holding the answer> or use rewards that need none (e.g. reward=length or "
+        "reward=length_chars)"
+    ]
+
+
+def test_hub_dataset_without_path_and_empty_files_are_named(tmp_path):
+    assert problems_of("data=hub") == [
+        "data.path is not set (???): data=hub needs the dataset: data.path=<hub name, e.g. trl-lib/tldr, or a local "
+        "directory or file>"
+    ]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert problems_of("data=local", f"data.files={empty}") == [f"data.files='{empty}' is empty: it holds no rows"]
+    assert problems_of("data=hub", f"data.path={empty}", "reward=length") == [
+        f"data.path='{empty}' is empty: it holds no rows"
+    ]
+    assert "no such file" in problems_of("data=local", f"data.files={tmp_path}/nope.jsonl")[0]
+
+
+def test_a_hub_name_validates_without_the_network():
+    validate(compose_train("data=hub", "data.path=trl-lib/tldr", "reward=length_chars"), 1)
+
+
+TOKENIZER = None
+
+
+def tokenizer():
+    global TOKENIZER
+    TOKENIZER = TOKENIZER or models.build_tokenizer()
+    return TOKENIZER
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_overlong_prompts_fail_drop_or_truncate_keeping_their_end(chat):
+    import datasets
+
+    short, long = "TL;DR:", POST * 3 + "\nTL;DR:"
+    prompts = [short, long] if not chat else [[{"role": "user", "content": p}] for p in (short, long)]
+    ds = datasets.Dataset.from_list([{"prompt": p} for p in prompts])
+    tok = tokenizer()
+    lengths = prompt_lengths.measure(ds, tok)["_prompt_tokens"]
+    limit = lengths[1] // 2
+
+    kept, report, found = prompt_lengths.fit(ds, tok, limit, "data.max_prompt_tokens", "fail")
+    assert report.overlong == 1 and report.longest_tokens == lengths[1]
+    assert f"1 of 2 prompts are longer than {limit} tokens (data.max_prompt_tokens)" in found[0]
+    assert "data.overlong_prompts=truncate" in found[0] and "trainer.vllm_max_model_length" in found[0]
+
+    kept, report, found = prompt_lengths.fit(ds, tok, limit, "data.max_prompt_tokens", "drop")
+    assert not found and len(kept) == 1 and report.dropped == 1
+
+    kept, report, found = prompt_lengths.fit(ds, tok, limit, "data.max_prompt_tokens", "truncate")
+    assert not found and report.truncated == 1 and len(kept) == 2
+    cut = kept[1]["prompt"] if not chat else kept[1]["prompt"][-1]["content"]
+    assert cut.endswith("\nTL;DR:") and len(cut) < len(long)
+    assert max(prompt_lengths.measure(kept, tok)["_prompt_tokens"]) <= limit
+
+
+def test_preflight_refuses_long_prompts_naming_keys_and_derives_the_engine_length(tldr_dir, tmp_path):
+    base = ("data=hub", f"data.path={tldr_dir}", "data.chat_template=false", "reward=length_chars", "logger=none")
+    cfg = compose_train(*base, "data.max_prompt_tokens=40")
+    with pytest.raises(ConfigError, match=r"data: 8 of 8 prompts are longer than 40 tokens \(data.max_prompt_tokens\)"):
+        preflight.prepare(cfg, tmp_path, [])
+    cfg = compose_train(
+        *base, "data.max_prompt_tokens=40", "data.overlong_prompts=truncate", "trainer.vllm_max_model_length=null"
+    )
+    prepared = preflight.prepare(cfg, tmp_path, [])
+    assert prepared.prompts["truncated"] == 8 and prepared.prompts["derived"] == {"vllm_max_model_length": 40 + 32}
+    assert prepared.args.vllm_max_model_length == 72 and prepared.dataset[0]["prompt"].endswith("TL;DR:")
+
+
+# The blog's experiment, shrunk to the tiny model and a local tldr-like file: the same config path end to end.
+
+TLDR_ON_TINY = (
+    "+experiment=tldr_colocate",
+    "model=tiny",
+    "data.max_prompt_tokens=48",
+    "trainer.max_completion_length=16",
+    "trainer.max_steps=2",
+    "trainer.bf16=false",
+    "trainer.gradient_checkpointing=false",
+    "trainer.warmup_steps=0",
+    "logger=none",
+)
+
+
+@pytest.fixture(scope="module")
+def tldr_file(tmp_path_factory) -> Path:
+    rows = [{"prompt": f"{POST * (1 + i % 3)} ({i})\nTL;DR:", "completion": " lend it less"} for i in range(12)]
+    return write_jsonl(tmp_path_factory.mktemp("tldr") / "train.jsonl", rows)
+
+
+def test_tldr_experiment_shape_trains_on_the_tiny_model_with_truncated_prompts(train, tldr_file):
+    run = train(*TLDR_ON_TINY, f"data.path={tldr_file}")
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "finished"
+    prompts = record["prompts"]
+    assert (prompts["rows"], prompts["limit_tokens"], prompts["policy"]) == (12, 48, "truncate")
+    assert prompts["truncated"] == prompts["overlong"] > 0
+    assert prompts["derived"] == {"vllm_max_model_length": 48 + 16}, "unset in the experiment: prompt + completion"
+    metrics = run.metrics()
+    assert [m["train/global_step"] for m in metrics] == [1, 2]
+    assert all(m["rewards/length_chars/mean"] <= 0 for m in metrics)
+    sent = [p for r in run.rollouts() for p in r["prompts"]]
+    assert sent and all(p.endswith("\nTL;DR:") and not p.startswith("<|im_start|>") for p in sent), (
+        "plain text, end kept"
+    )
+
+
+def test_overlong_prompts_fail_before_the_engine_loads_naming_the_keys(train, tldr_file):
+    run = train(*TLDR_ON_TINY, f"data.path={tldr_file}", "data.overlong_prompts=fail", check=False)
+    assert run.proc.returncode != 0
+    message = "prompts are longer than 48 tokens (data.max_prompt_tokens)"
+    assert message in run.output and "data.overlong_prompts=truncate" in run.output
+    assert "nanobind" not in run.output and "maximum context length" not in run.output
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "failed" and message in record["error"]
+    assert not (run.dir / "metrics.jsonl").exists()
