@@ -184,10 +184,11 @@ def test_bad_study_definitions_are_refused(tmp_path):
 
 
 # Completions generated per step by each case of a shipped study: equal work in every case of the placement study;
-# the number in the case name in the fast-outputs study.
+# the number in the case name in the fast-outputs study; 128 in every case of the fast-sync study.
 COMPLETIONS_PER_STEP = {
     "h200_x2": lambda case: 64,
     "fast_outputs_h200": lambda case: int(case.rsplit("_", 1)[1]),
+    "fast_sync_h200": lambda case: 128,
 }
 
 
