@@ -89,7 +89,14 @@ def _predict(args) -> None:
 def _validate(args) -> None:
     cal = calibration.load(args.calibration)
     table = validation.rows(cal, args.directories)
-    text = validation.markdown(table)
+    command = " ".join(["python -m colocated_grpo.bench.placement validate", f"--calibration {args.calibration}"])
+    command += " " + " ".join(map(str, args.directories)) + (f" --out {args.out}" if args.out else "")
+    text = (
+        "# Placement model: predicted against measured step times\n\n"
+        f"```\n{command}\n```\n\n"
+        "Error = predicted / measured − 1; phases in seconds, measured → predicted; in-sample: the job's runs are "
+        "among the calibration's sources. The model: docs/placement.md.\n\n" + validation.markdown(table)
+    )
     print(text)
     if args.out:
         import pandas as pd

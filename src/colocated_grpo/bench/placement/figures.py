@@ -20,7 +20,7 @@ def ranking(predictions: list[Prediction], workload: Workload, title: str):
         start = [s + w for s, w in zip(start, widths, strict=True)]
     left.invert_yaxis()
     left.set_xlabel("predicted step time, s")
-    left.legend(fontsize=8, loc="lower right")
+    left.legend(fontsize=8, loc="upper right")
     right.barh(names, [p.tokens_per_s_per_gpu(workload) for p in predictions], color="tab:gray")
     right.invert_yaxis()
     right.set_xlabel("predicted tokens/s per GPU used")
