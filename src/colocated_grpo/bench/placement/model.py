@@ -39,7 +39,7 @@ class Placement:
     kind: str  # colocate, colocate_sleep, server
     gpus: int  # GPUs used, a server's included
     server_gpus: int = 0
-    request: str = "fast"  # the colocated engine's request and sync: fast (ours) or trl (TRL's own)
+    request: str = "fast"  # colocated request and sync: fast (ours), trl (TRL's own), mixed (fast outputs, TRL's sync)
 
     @property
     def train_gpus(self) -> int:
@@ -93,11 +93,12 @@ def predict(calibration: dict, workload: Workload, placement: Placement) -> Pred
         curve = m["server_curve"]
         mem = 0.9  # the server's engine has its GPU to itself
     else:
-        curve = m["generate"].get(placement.request) or m["generate"]["trl"]
+        outputs = "trl" if placement.request == "trl" else "fast"  # mixed: fast outputs, TRL's sync
+        curve = m["generate"].get(outputs) or m["generate"]["trl"]
         mem = m["mem"]
     generate, gen_flags = _generate_s(curve, per_engine, workload, m, gpu, mem)
     flags += gen_flags
-    sync_key = "trl" if placement.kind == "server" else placement.request
+    sync_key = "fast" if placement.kind != "server" and placement.request == "fast" else "trl"
     sync = m["sync_s"].get(sync_key, m["sync_s"].get("trl", 0.0))
     allreduce = 0.0
     if placement.train_gpus > 1:  # ring all-reduce of bf16 gradients, not overlapped with backward (an upper bound)

@@ -38,7 +38,7 @@ def rows(calibration: dict, directories: list[str | Path]) -> list[dict]:
                 job.placement,
                 job.gpus,
                 server_gpus=job.gpus - job.train_gpus,
-                request=job.request if job.request != "mixed" else "trl",
+                request=job.request,
             )
             workload = Workload(job.completions, job.prompt_tokens, job.completion_tokens, job.params_b)
             prediction = predict(calibration, workload, placement)
@@ -63,8 +63,6 @@ def _not_modelled(job: measured.Job) -> str | None:
         return "not modelled: transformers generate (no vLLM)"
     if job.tp > 1:
         return "not modelled: vLLM TP > 1 (one GPU cannot calibrate a TP group)"
-    if job.request == "mixed":
-        return "not modelled: fast outputs with TRL's sync"
     return None
 
 
