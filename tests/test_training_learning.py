@@ -3,8 +3,9 @@ the share of even token ids in its completions (tests/plugins/token_rewards.py),
 completion bears on, so GRPO moves it within a few steps: the reward of the last steps must clearly exceed that of
 the first.
 
-Measured before choosing the margin (8 steps, mean reward of steps 1-2 → steps 6-8): seed 0 0.47 → 1.00, seed 1
-0.49 → 0.84, SEED2, SEED3, SEED4; a random policy stays near 0.5."""
+Measured before choosing the margins (8 steps, mean reward of steps 1-2 → steps 6-8): seed 0 0.47 → 1.00, seed 1
+0.49 → 0.84, seed 2 0.51 → 1.00, seed 3 0.53 → 0.98, seed 4 0.51 → 0.69; a random policy's share is about 0.5. The
+test runs seed 0, which gave the same rewards in two runs."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ LEARNS = (
     "trainer.per_device_train_batch_size=16",  # 4 prompts × 4 completions a step
     "trainer.max_steps=8",
     "trainer.save_strategy=no",
+    "seed=0",
 )
 
 
@@ -36,4 +38,4 @@ def test_reward_rises_over_steps_with_colocate(learning_run):
     assert len(rewards) == 8
     first, last = statistics.mean(rewards[:2]), statistics.mean(rewards[-3:])
     assert last > first + 0.15, rewards
-    assert last > 0.65, rewards  # a random policy's share of even ids is about 0.5
+    assert last > 0.6, rewards  # a random policy's share of even ids is about 0.5
