@@ -189,6 +189,7 @@ COMPLETIONS_PER_STEP = {
     "h200_x2": lambda case: 64,
     "fast_outputs_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "fast_sync_h200": lambda case: 128,
+    "calibration_h200": lambda case: int(re.search(r"_(\d+)", case).group(1)),
 }
 
 
@@ -268,3 +269,23 @@ def test_the_committed_fast_outputs_results_regenerate_and_compare_each_case_wit
         trl, fast = table.loc[("qwen2.5-1.5b-random", f"trl_{n}")], table.loc[("qwen2.5-1.5b-random", f"fast_{n}")]
         assert math.isnan(trl["speedup_vs_baseline"])
         assert fast["speedup_vs_baseline"] == pytest.approx(trl["step_s"] / fast["step_s"], rel=1e-3)
+
+
+def test_a_copied_tree_records_the_commit_it_was_given(tmp_path, monkeypatch):
+    """A tree copied without .git (as onto a GPU machine) records the commit passed in $COLOCATED_GRPO_GIT_SHA, in a
+    study's env.json and a run's run.json alike; a checkout's own commit is kept beside one that differs."""
+    from colocated_grpo import provenance
+
+    monkeypatch.delenv(provenance.GIT_SHA_VARIABLE, raising=False)
+    assert provenance.git_state(tmp_path) == {"sha": None, "dirty": None}
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv(provenance.GIT_SHA_VARIABLE, sha.upper())
+    assert provenance.git_state(tmp_path) == {"sha": sha, "dirty": None, "source": provenance.GIT_SHA_VARIABLE}
+    assert study.environment()["git"]["sha"] == sha
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert provenance.git_state(REPO)["checkout_sha"] == head
+    monkeypatch.setenv(provenance.GIT_SHA_VARIABLE, head[:12])
+    assert provenance.git_state(REPO)["sha"] == head[:12] and "checkout_sha" not in provenance.git_state(REPO)
+    monkeypatch.setenv(provenance.GIT_SHA_VARIABLE, "main; rm -rf")
+    with pytest.raises(SystemExit, match="not a commit sha"):
+        provenance.git_state(tmp_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Iterable
 from importlib import metadata
@@ -70,12 +71,35 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+# The commit a copied tree (one without .git, e.g. a GPU machine's copy) was made from: set it to record it.
+GIT_SHA_VARIABLE = "COLOCATED_GRPO_GIT_SHA"
+_SHA = re.compile(r"[0-9a-fA-F]{7,40}")
+
+
 def git_state(repo_dir: str | Path = REPO) -> dict[str, str | bool | None]:
+    """The checkout's commit and whether it has changes. $COLOCATED_GRPO_GIT_SHA, when set, names the commit instead
+    (`source` says so): a copied tree has no .git, or only that of the commit the copy was based on (then kept as
+    `checkout_sha`, and `dirty` is unknown)."""
+    found = _checkout_git_state(repo_dir)
+    given = os.environ.get(GIT_SHA_VARIABLE, "").strip()
+    if not given:
+        return found
+    if not _SHA.fullmatch(given):
+        raise SystemExit(f"{GIT_SHA_VARIABLE}={given!r} is not a commit sha (7 to 40 hex digits): git rev-parse HEAD")
+    same = found["sha"] is not None and found["sha"].startswith(given.lower())
+    state = {"sha": given.lower(), "dirty": found["dirty"] if same else None, "source": GIT_SHA_VARIABLE}
+    if found["sha"] and not same:
+        state["checkout_sha"] = found["sha"]
+    return state
+
+
+def _checkout_git_state(repo_dir: str | Path) -> dict[str, str | bool | None]:
     def git(*args):
         out = subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else None
 
     try:
-        return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+        sha = git("rev-parse", "HEAD")
+        return {"sha": sha, "dirty": bool(git("status", "--porcelain")) if sha else None}
     except (OSError, subprocess.SubprocessError):
         return {"sha": None, "dirty": None}

@@ -1,0 +1,114 @@
+"""Predict which placement runs a GRPO step fastest on N GPUs, from a calibration measured on one GPU.
+
+    python -m colocated_grpo.bench.placement calibrate sweeps/results/fast_outputs_h200 … --out calibration.json
+    python -m colocated_grpo.bench.placement predict --calibration calibration.json --gpus 8 \
+        --completions 1024 --prompt-tokens 150 --completion-tokens 1024 --model-params 1.5
+    python -m colocated_grpo.bench.placement validate --calibration FILE sweeps/results/h200_x2 … --out DIR
+
+`calibrate` reads study directories of one-GPU runs (`sweeps/studies/calibration_h200.yaml` measures one) and writes
+the small calibration file; `predict` prints the placements ranked by predicted step time and writes a figure;
+`validate` predicts every measured job of study or sweep directories and tables the errors.
+The model: docs/placement.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from colocated_grpo.bench.placement import calibration, figures, validation
+from colocated_grpo.bench.placement.model import PHASES, Workload, placements, predict
+from colocated_grpo.provenance import FIGURES, require_extra
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m colocated_grpo.bench.placement",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="build a calibration file from one-GPU study directories")
+    cal.add_argument("directories", nargs="+", help="study (or sweep) directories; multi-GPU jobs are left out")
+    cal.add_argument("--out", required=True, help="the calibration file to write (JSON)")
+    pre = sub.add_parser("predict", help="rank the placements for N GPUs and a workload")
+    pre.add_argument("--calibration", required=True)
+    pre.add_argument("--gpus", type=int, required=True)
+    pre.add_argument("--completions", type=int, required=True, help="completions per step, all GPUs together")
+    pre.add_argument("--prompt-tokens", type=float, required=True)
+    pre.add_argument("--completion-tokens", type=float, required=True)
+    pre.add_argument("--model-params", type=float, required=True, help="parameters, in billions (1.5 for 1.5B)")
+    pre.add_argument("--request", choices=("fast", "trl"), default="fast", help="colocated request and sync")
+    pre.add_argument("--figure", help="write the ranking figure here (PNG)")
+    val = sub.add_parser("validate", help="predict every measured job of study/sweep directories, table the errors")
+    val.add_argument("--calibration", required=True)
+    val.add_argument("directories", nargs="+")
+    val.add_argument("--out", help="write validation.md, validation.csv and validation.png into this directory")
+    args = parser.parse_args(argv)
+
+    if args.command == "calibrate":
+        path = calibration.save(calibration.build(args.directories), args.out)
+        print(path)
+    elif args.command == "predict":
+        if args.figure:
+            require_extra("notebooks", FIGURES, "placement predict --figure")
+        _predict(args)
+    else:
+        if args.out:
+            require_extra("notebooks", FIGURES, "placement validate --out")
+        _validate(args)
+
+
+def _predict(args) -> None:
+    cal = calibration.load(args.calibration)
+    workload = Workload(args.completions, args.prompt_tokens, args.completion_tokens, args.model_params)
+    found = [predict(cal, workload, p) for p in placements(args.gpus, args.request)]
+    found.sort(key=lambda p: (not p.fits, p.step_s))
+    best = found[0].step_s
+    title = (
+        f"{args.gpus} GPUs, {args.model_params} B, {args.completions} completions × {args.completion_tokens:.0f} "
+        f"tokens (prompt {args.prompt_tokens:.0f}); calibration: {cal['gpu']['name']}"
+    )
+    print(title)
+    print(
+        f"{'placement':<26} {'step s':>7} {'vs best':>8} {'tok/s/GPU':>10}  " + " ".join(f"{p[:8]:>8}" for p in PHASES)
+    )
+    for p in found:
+        print(
+            f"{p.placement.name:<26} {p.step_s:7.2f} {p.step_s / best:7.2f}× "
+            f"{p.tokens_per_s_per_gpu(workload):10,.0f}  " + " ".join(f"{p.phases[k]:8.2f}" for k in PHASES)
+        )
+    for p in found:
+        for flag in dict.fromkeys(p.flags):
+            print(f"  {p.placement.name}: {flag}")
+    if args.figure:
+        figures.ranking(found, workload, title).savefig(args.figure, dpi=120)
+        print(args.figure)
+
+
+def _validate(args) -> None:
+    cal = calibration.load(args.calibration)
+    table = validation.rows(cal, args.directories)
+    command = " ".join(["python -m colocated_grpo.bench.placement validate", f"--calibration {args.calibration}"])
+    command += " " + " ".join(map(str, args.directories)) + (f" --out {args.out}" if args.out else "")
+    text = (
+        "# Placement model: predicted against measured step times\n\n"
+        f"```\n{command}\n```\n\n"
+        "Error = predicted / measured − 1; phases in seconds, measured → predicted; in-sample: the job's runs are "
+        "among the calibration's sources. The model: docs/placement.md.\n\n" + validation.markdown(table)
+    )
+    print(text)
+    if args.out:
+        import pandas as pd
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validation.md").write_text(text)
+        pd.DataFrame(table).to_csv(out / "validation.csv", index=False, float_format="%.4g")
+        figures.validation(table).savefig(out / "validation.png", dpi=120)
+        for name in ("validation.md", "validation.csv", "validation.png"):
+            print(out / name)
+
+
+if __name__ == "__main__":
+    main()

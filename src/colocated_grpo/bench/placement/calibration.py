@@ -1,0 +1,183 @@
+"""The calibration file: what one GPU measured, in the units the model uses (docs/placement.md).
+
+Built by `calibrate` from study directories of one-GPU runs (and one-GPU generation benchmarks): jobs on more than
+one GPU are left out (they are what `validate` checks the model against), and so are jobs whose request and sync
+differ (a case with fast outputs and TRL's sync feeds the generation curve of fast outputs and the TRL sync cost).
+
+    {"format": 1, "gpu": {...}, "sources": [...], "notes": [...],
+     "models": {"qwen2.5-1.5b": {
+        "params_b": 1.544, "kv_bytes_per_token": 28672, "prompt_tokens": 61, "completion_tokens": 256, "mem": 0.3,
+        "kv_cache_tokens": 1425000,
+        "generate": {"trl": [[32, 5514.0], …], "fast": [[32, 10160.0], …]},  # completions per engine, tokens/s
+        "server_engine": {"factor": 1.27} or {"curve": [[32, …], …]},
+        "sync_s": {"trl": 0.27, "fast": 0.024}, "sleep_wake_s": 0.092,
+        "train": {"fixed_s": 0.007, "s_per_token": 2.9e-05}, "other": {…}, "reward_s_per_completion": 5e-05,
+        "train_gb": 21.3}}}
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from colocated_grpo.bench.placement import measured
+from colocated_grpo.bench.placement.shapes import shape_for
+from colocated_grpo.provenance import REPO
+from colocated_grpo.run_files import read_json, write_json
+
+FORMAT = 1
+
+# What the calibrating GPU is, for the terms no one-GPU run measures (docs/placement.md: the model).
+H200 = {
+    "name": "NVIDIA H200 (140 GiB)",
+    "memory_gb": 150.0,  # NVML's total in GB (140 GiB)
+    "hbm_gb_s": 4800.0,  # HBM3e, datasheet
+    "peak_tflops": 989.0,  # dense bf16, datasheet
+    "prefill_efficiency": 0.4,  # assumed share of peak a prefill reaches
+    "allreduce_gb_s": 360.0,  # assumed NCCL all-reduce bus bandwidth over NVLink 4 (not measurable on one GPU)
+}
+
+
+def build(directories: list[str | Path], gpu: dict | None = None) -> dict:
+    """A calibration from the one-GPU jobs and benchmarks under `directories` (study or sweep directories)."""
+    jobs = [job for d in directories for job in measured.load(d)]
+    used = [j for j in jobs if j.gpus == 1 and j.placement in ("colocate", "colocate_sleep")]
+    calibration = {
+        "format": FORMAT,
+        "gpu": dict(gpu or H200),
+        "sources": sorted({source(j) for j in used}),
+        "left_out": sorted(f"{j.model} {j.case} ({j.gpus} GPUs)" for j in jobs if j not in used),
+        "notes": [],
+        "models": {},
+    }
+    benches = _benches(directories)
+    for model in sorted({j.model for j in used}):
+        mine = [j for j in used if j.model == model]
+        calibration["models"][model] = _model(mine, benches.get(model, []), calibration["notes"])
+    _train_memory(directories, calibration)
+    return calibration
+
+
+def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> dict:
+    first = jobs[0]
+    entry = {
+        "params_b": first.params_b,
+        "kv_bytes_per_token": shape_for(first.params_b).kv_bytes_per_token,
+        "prompt_tokens": statistics.mean(j.prompt_tokens for j in jobs),
+        "completion_tokens": statistics.mean(j.completion_tokens for j in jobs),
+        "mem": statistics.mode(j.mem for j in jobs),
+        "kv_cache_tokens": _mean([j.kv_cache_tokens for j in jobs if j.kv_cache_tokens]),
+        "generate": {},
+        "sync_s": {},
+    }
+    # Generation: the generate phase of each run, as completion tokens/s of its one engine at its batch.
+    for name, fast in (("trl", False), ("fast", True)):
+        by_batch = defaultdict(list)
+        for j in jobs:
+            if j.fast_outputs == fast and j.phases["generate"] and j.mem == entry["mem"]:  # one memory share
+                by_batch[j.completions].append(j.completions * j.completion_tokens / j.phases["generate"])
+        if by_batch:
+            entry["generate"][name] = [[b, statistics.mean(r)] for b, r in sorted(by_batch.items())]
+        sync = [j.phases["sync_weights"] for j in jobs if j.fast_sync == fast and j.phases["sync_weights"]]
+        if sync:
+            entry["sync_s"][name] = statistics.mean(sync)
+    sleep = [j.phases["sleep_wake"] for j in jobs if j.placement == "colocate_sleep"]
+    entry["sleep_wake_s"] = statistics.mean(sleep) if sleep else None
+    for phase in ("train", "other"):
+        entry[phase] = _line([(_tokens_per_gpu(j), j.phases[phase]) for j in jobs])
+    entry["reward_s_per_completion"] = statistics.mean(j.phases["reward"] / j.completions for j in jobs)
+    entry["server_engine"] = _server_engine(entry, benches, first.model, notes)
+    return entry
+
+
+def _server_engine(entry: dict, benches: list[dict], model: str, notes: list[str]) -> dict | None:
+    """A `trl vllm-serve` engine's rate: measured directly (a default-engine bench with TRL's request over batch
+    sizes), else the in-run TRL-request curve × (default engine / in-run engine) at a batch both measured."""
+    direct = [
+        [r["prompts"], statistics.mean(r["tokens_per_s"])]
+        for b in benches
+        if b["settings"].get("engine", "default") == "default"
+        for r in b.get("results", [])
+        if r.get("outputs") == "trl"
+    ]
+    if direct:
+        return {"curve": sorted(direct)}
+    fast = dict((b, r) for b, r in entry["generate"].get("fast", []))
+    for b in benches:
+        s = b["settings"]
+        if s.get("engine", "default") == "default" and s.get("prompts") in fast and not b.get("results"):
+            factor = statistics.mean(b["tokens_per_s"]) / fast[s["prompts"]]
+            notes.append(
+                f"{model}: server engine = in-run TRL-request rate × {factor:.2f} (vLLM's default engine alone, "
+                f"no log-probs, / this model's in-run fast-outputs rate, both at {s['prompts']} completions)"
+            )
+            return {"factor": factor}
+    notes.append(f"{model}: no default-engine benchmark; server engine = the in-run TRL-request curve")
+    return {"factor": 1.0}
+
+
+def source(job: measured.Job) -> str:
+    """Where a job's runs lie (runs/<model> of a study, or the sweep), relative to the checkout when inside it."""
+    path = Path(job.source).resolve().parent.parent
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _benches(directories) -> dict[str, list[dict]]:
+    found = defaultdict(list)
+    for d in directories:
+        for path in sorted(Path(d).glob("bench/*/*.json")):
+            if (bench := read_json(path)) and "settings" in bench:
+                found[_build_name(bench["settings"]["model"])].append(bench)
+    return found
+
+
+def _build_name(option: str) -> str:
+    """conf/model option → the build it makes (qwen2.5-1.5b-random → qwen2.5-1.5b), the name jobs carry."""
+    return option.removesuffix("-random")
+
+
+def _train_memory(directories, calibration: dict) -> None:
+    """The most a training GPU held while training with sleep mode (vLLM's share handed back): results.csv's
+    train_mem_gb of one-GPU colocate_sleep cases."""
+    import csv
+
+    for d in directories:
+        path = Path(d) / "results.csv"
+        if not path.exists():
+            continue
+        for row in csv.DictReader(path.open()):
+            model = calibration["models"].get(_build_name(row["model"]))
+            if model is not None and row["placement"] == "colocate_sleep" and row["gpus"] == "1":
+                model["train_gb"] = max(model.get("train_gb") or 0.0, float(row["train_mem_gb"]))
+
+
+def _tokens_per_gpu(job: measured.Job) -> float:
+    return job.completions / job.train_gpus * (job.prompt_tokens + job.completion_tokens)
+
+
+def _line(points: list[tuple[float, float]]) -> dict:
+    """Least squares y = fixed + slope · x (fixed ≥ 0)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if len(set(xs)) < 2:
+        return {"fixed_s": 0.0, "s_per_token": statistics.mean(y / x for x, y in points)}
+    slope, fixed = statistics.linear_regression(xs, ys)
+    if fixed < 0:
+        return {"fixed_s": 0.0, "s_per_token": sum(ys) / sum(xs)}
+    return {"fixed_s": fixed, "s_per_token": slope}
+
+
+def _mean(values):
+    return statistics.mean(values) if values else None
+
+
+def save(calibration: dict, path: str | Path) -> Path:
+    write_json(Path(path), calibration)
+    return Path(path)
+
+
+def load(path: str | Path) -> dict:
+    calibration = read_json(Path(path))
+    if not isinstance(calibration, dict) or calibration.get("format") != FORMAT or not calibration.get("models"):
+        raise SystemExit(f"{path}: not a calibration file (format {FORMAT}): make one with `placement calibrate`")
+    return calibration

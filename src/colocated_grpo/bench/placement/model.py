@@ -1,0 +1,263 @@
+"""The per-phase model of one GRPO step (docs/placement.md). Every phase is a formula of the workload, the placement
+and the calibration; nothing here is fitted to multi-GPU runs.
+
+    generate   per engine: L · t_step(b) + prefill,  b = completions per engine (C/N colocated, C/K on a server of K),
+               t_step(b) = b / rate(b) from the calibration's curve (log-log interpolation; flat below its smallest
+               batch, linear in b past its largest), plus the extra KV reads of a longer context,
+               and in waves when the batch does not fit the engine's KV cache
+    sync       the calibration's sync time (colocated: per engine, in parallel; server: TRL's sync, see docs)
+    sleep_wake the calibration's sleep + wake cost (sleep mode only)
+    train      fixed + s_per_token · tokens per training GPU + gradient all-reduce over T training GPUs
+    other      fixed + s_per_token · tokens per training GPU (old log-probs, advantages, gathers)
+    reward     s per completion · completions per training GPU
+
+A model size the calibration did not measure gets every per-model quantity by linear interpolation (or
+extrapolation) in parameters between the two nearest calibrated sizes, and is flagged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from colocated_grpo.bench.placement.shapes import shape_for
+
+PHASES = ("generate", "sync_weights", "sleep_wake", "reward", "train", "other")
+
+
+@dataclass(frozen=True)
+class Workload:
+    completions: int  # per step, all GPUs together
+    prompt_tokens: float
+    completion_tokens: float
+    params_b: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # colocate, colocate_sleep, server
+    gpus: int  # GPUs used, a server's included
+    server_gpus: int = 0
+    request: str = "fast"  # colocated request and sync: fast (ours), trl (TRL's own), mixed (fast outputs, TRL's sync)
+
+    @property
+    def train_gpus(self) -> int:
+        return self.gpus - self.server_gpus
+
+    @property
+    def engines(self) -> int:
+        return self.server_gpus if self.kind == "server" else self.gpus
+
+    @property
+    def name(self) -> str:
+        if self.kind == "server":
+            return f"server {self.train_gpus}+{self.server_gpus}"
+        label = "colocate + sleep" if self.kind == "colocate_sleep" else "colocate"
+        return f"{label} {self.gpus} ({self.request})"
+
+
+@dataclass
+class Prediction:
+    placement: Placement
+    phases: dict[str, float]
+    fits: bool = True
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.phases.values())
+
+    def tokens_per_s_per_gpu(self, workload: Workload) -> float:
+        tokens = workload.completions * (workload.prompt_tokens + workload.completion_tokens)
+        return tokens / self.step_s / self.placement.gpus
+
+
+def placements(gpus: int, request: str = "fast") -> list[Placement]:
+    """The placements compared on `gpus` GPUs: colocate and colocate + sleep (TP 1, one engine per GPU), and
+    server K+T for every K (TP 1 engines; TRL's request and sync, the only ones server mode has)."""
+    found = [Placement("colocate", gpus, request=request), Placement("colocate_sleep", gpus, request=request)]
+    found += [Placement("server", gpus, server_gpus=k, request="trl") for k in range(1, gpus)]
+    return found
+
+
+def predict(calibration: dict, workload: Workload, placement: Placement) -> Prediction:
+    m = _model_quantities(calibration, workload.params_b)
+    gpu = calibration["gpu"]
+    flags = list(m["flags"])
+    per_engine = workload.completions / placement.engines
+    per_trainer = workload.completions / placement.train_gpus
+    tokens_per_trainer = per_trainer * (workload.prompt_tokens + workload.completion_tokens)
+
+    if placement.kind == "server":
+        curve = m["server_curve"]
+        mem = 0.9  # the server's engine has its GPU to itself
+    else:
+        outputs = "trl" if placement.request == "trl" else "fast"  # mixed: fast outputs, TRL's sync
+        curve = m["generate"].get(outputs) or m["generate"]["trl"]
+        mem = m["mem"]
+    generate, gen_flags = _generate_s(curve, per_engine, workload, m, gpu, mem)
+    flags += gen_flags
+    sync_key = "fast" if placement.kind != "server" and placement.request == "fast" else "trl"
+    sync = m["sync_s"].get(sync_key, m["sync_s"].get("trl", 0.0))
+    allreduce = 0.0
+    if placement.train_gpus > 1:  # ring all-reduce of bf16 gradients, not overlapped with backward (an upper bound)
+        t = placement.train_gpus
+        allreduce = 2 * (t - 1) / t * 2 * workload.params_b / gpu["allreduce_gb_s"]
+    phases = {
+        "generate": generate,
+        "sync_weights": sync,
+        "sleep_wake": m["sleep_wake_s"] if placement.kind == "colocate_sleep" else 0.0,
+        "reward": m["reward_s_per_completion"] * per_trainer,
+        "train": m["train"]["fixed_s"] + m["train"]["s_per_token"] * tokens_per_trainer + allreduce,
+        "other": m["other"]["fixed_s"] + m["other"]["s_per_token"] * tokens_per_trainer,
+    }
+    fits = True
+    train_gb = m["train_gb"]
+    if train_gb is not None:
+        held = train_gb + (mem * gpu["memory_gb"] if placement.kind == "colocate" else 0.0)
+        if held > gpu["memory_gb"]:
+            fits = False
+            flags.append(f"does not fit: ~{held:.0f} GB on a training GPU (training ~{train_gb:.0f} GB + vLLM)")
+    return Prediction(placement, phases, fits, flags)
+
+
+def _generate_s(curve, batch, workload, m, gpu, mem) -> tuple[float, list[str]]:
+    flags = []
+    context = workload.prompt_tokens + workload.completion_tokens
+    capacity = _kv_capacity(m, gpu, mem)
+    waves = max(1, math.ceil(batch * context / capacity)) if capacity else 1
+    if waves > 1:
+        flags.append(f"the engine's KV cache holds {capacity:,.0f} tokens: {waves} waves of generation")
+    wave = batch / waves
+    step = _step_s(curve, wave)
+    # Longer context than calibrated: every decoding step reads each sequence's KV cache once more per token.
+    calibrated = m["prompt_tokens"] + m["completion_tokens"] / 2
+    extra = wave * (workload.prompt_tokens + workload.completion_tokens / 2 - calibrated) * m["kv_bytes_per_token"]
+    step += max(extra, 0.0) / (gpu["hbm_gb_s"] * 1e9)
+    prefill = (
+        2
+        * workload.params_b
+        * 1e9
+        * batch
+        * workload.prompt_tokens
+        / (gpu["peak_tflops"] * 1e12 * gpu["prefill_efficiency"])
+    )
+    if batch > curve[-1][0] * 1.01:
+        flags.append(f"{batch:.0f} completions per engine: past the calibrated {curve[-1][0]:.0f} (extrapolated)")
+    return waves * workload.completion_tokens * step + prefill, flags
+
+
+def _step_s(curve: list[list[float]], batch: float) -> float:
+    """Seconds per decoding step of one engine at `batch` sequences: log-log interpolation of b / rate(b)."""
+    points = [(b, b / rate) for b, rate in curve]
+    if batch <= points[0][0]:
+        return points[0][1]  # below the smallest batch: per-step overheads dominate (an upper bound)
+    for (b0, t0), (b1, t1) in itertools.pairwise(points):
+        if batch <= b1:
+            w = math.log(batch / b0) / math.log(b1 / b0)
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+    if len(points) == 1:
+        return points[0][1] * batch / points[0][0]
+    (b0, t0), (b1, t1) = points[-2], points[-1]
+    return t1 + (batch - b1) * (t1 - t0) / (b1 - b0)  # past the largest batch: linear in b (compute-bound)
+
+
+def _kv_capacity(m: dict, gpu: dict, mem: float) -> float | None:
+    """Tokens one engine's KV cache holds at memory share `mem`: the calibrated capacity, rescaled for the share."""
+    if not m.get("kv_cache_tokens"):
+        return None
+    weights_gb = 2 * m["params_b"]
+    calibrated_gb = m["mem"] * gpu["memory_gb"] - weights_gb
+    return m["kv_cache_tokens"] * max(mem * gpu["memory_gb"] - weights_gb, 0.0) / calibrated_gb
+
+
+def _model_quantities(calibration: dict, params_b: float) -> dict:
+    """The calibration's quantities for a model of `params_b`: a calibrated model's own (within 5 %), else each
+    interpolated linearly in parameters between the two nearest calibrated models (flagged)."""
+    models = sorted(calibration["models"].values(), key=lambda e: e["params_b"])
+    exact = [e for e in models if abs(e["params_b"] - params_b) <= 0.05 * params_b]
+    if exact:
+        entry = _filled(exact[0], models)
+        return {**entry, "server_curve": _server_curve(entry), "flags": []}
+    if len(models) == 1:
+        raise SystemExit(f"{params_b} B parameters: the calibration has one model size only; calibrate this one")
+    a, b = sorted(sorted(models, key=lambda e: abs(e["params_b"] - params_b))[:2], key=lambda e: e["params_b"])
+    a, b = _filled(a, models), _filled(b, models)
+    w = (params_b - a["params_b"]) / (b["params_b"] - a["params_b"])
+    near = b if params_b > b["params_b"] else a if params_b < a["params_b"] else {"sync_s": {}, "params_b": 1.0}
+
+    def mix(x, y):
+        return None if x is None or y is None else x + w * (y - x)
+
+    gpu = calibration["gpu"]
+
+    def curve(ca, cb):  # seconds per decoding step at each batch both measured
+        cb = dict((bb, r) for bb, r in cb)
+        out = []
+        for bb, r in ca:
+            if bb not in cb:
+                continue
+            ta, tb = bb / r, bb / cb[bb]
+            if params_b > b["params_b"]:  # larger than calibrated: the larger model plus the added weights' roofline
+                added = (params_b - b["params_b"]) * 1e9
+                t = tb + added * max(2 / (gpu["hbm_gb_s"] * 1e9), 2 * bb / (gpu["peak_tflops"] * 1e12 * 0.4))
+            else:
+                t = max(mix(ta, tb), min(ta, tb))
+            out.append([bb, bb / t])
+        return out
+
+    shape = shape_for(params_b)
+    entry = {
+        "params_b": params_b,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "prompt_tokens": a["prompt_tokens"],
+        "completion_tokens": a["completion_tokens"],
+        "mem": a["mem"],
+        "kv_cache_tokens": None,
+        "generate": {k: curve(a["generate"][k], b["generate"][k]) for k in a["generate"] if k in b["generate"]},
+        # never below the nearer calibrated model's sync scaled by parameters (the weights to move)
+        "sync_s": {
+            k: max(mix(a["sync_s"][k], b["sync_s"][k]), near["sync_s"].get(k, 0.0) * params_b / near["params_b"])
+            for k in a["sync_s"]
+            if k in b["sync_s"]
+        },
+        "sleep_wake_s": mix(a["sleep_wake_s"], b["sleep_wake_s"]),
+        "train": {k: mix(a["train"][k], b["train"][k]) for k in ("fixed_s", "s_per_token")},
+        "other": {k: mix(a["other"][k], b["other"][k]) for k in ("fixed_s", "s_per_token")},
+        "reward_s_per_completion": mix(a["reward_s_per_completion"], b["reward_s_per_completion"]),
+        "train_gb": mix(a["train_gb"] / a["params_b"], b["train_gb"] / b["params_b"]) * params_b
+        if a.get("train_gb") and b.get("train_gb")
+        else (a.get("train_gb") or b.get("train_gb") or 0) / a["params_b"] * params_b or None,
+    }
+    weights_gb = 2 * params_b
+    entry["kv_cache_tokens"] = (
+        max(a["mem"] * calibration["gpu"]["memory_gb"] - weights_gb, 0) * 1e9 / (entry["kv_bytes_per_token"])
+    )
+    entry["server_curve"] = [[bb, r * mix(_factor(a), _factor(b))] for bb, r in entry["generate"]["trl"]]
+    kind = "extrapolated" if not a["params_b"] <= params_b <= b["params_b"] else "interpolated"
+    entry["flags"] = [f"{params_b} B: {kind} from the calibrated {a['params_b']:.2f} B and {b['params_b']:.2f} B"]
+    return entry
+
+
+def _filled(entry: dict, models: list[dict]) -> dict:
+    """A calibrated model's quantities, the ones it lacks (sleep/wake, training memory) taken from the nearest model
+    that has them (training memory scaled by parameters)."""
+    entry = dict(entry)
+    if entry.get("sleep_wake_s") is None:
+        entry["sleep_wake_s"] = next((e["sleep_wake_s"] for e in models if e.get("sleep_wake_s") is not None), 0.0)
+    if entry.get("train_gb") is None:
+        donor = next((e for e in models if e.get("train_gb")), None)
+        entry["train_gb"] = donor["train_gb"] / donor["params_b"] * entry["params_b"] if donor else None
+    return entry
+
+
+def _factor(entry: dict) -> float:
+    return (entry.get("server_engine") or {}).get("factor", 1.0)
+
+
+def _server_curve(entry: dict) -> list[list[float]]:
+    server = entry.get("server_engine") or {}
+    if "curve" in server:
+        return server["curve"]
+    return [[b, r * server.get("factor", 1.0)] for b, r in entry["generate"]["trl"]]

@@ -1,0 +1,103 @@
+"""Predictions beside measured jobs: one row per job with the measured and predicted step time and phases, the
+error, which phase missed most, and whether the job was part of the calibration (in-sample)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from colocated_grpo.bench.placement import calibration as calibration_file
+from colocated_grpo.bench.placement import measured
+from colocated_grpo.bench.placement.model import PHASES, Placement, Workload, predict
+
+
+def rows(calibration: dict, directories: list[str | Path]) -> list[dict]:
+    calibrated = set(calibration.get("sources", []))
+    found = []
+    for directory in directories:
+        for job in measured.load(directory):
+            in_sample = calibration_file.source(job) in calibrated
+            row = {
+                "model": job.model,
+                "case": job.case,
+                "gpus": job.gpus,
+                "placement": job.placement,
+                "tp": job.tp,
+                "mem": job.mem,
+                "request": job.request,
+                "completions": job.completions,
+                "in_sample": in_sample,
+                "measured_s": job.step_s,
+                **{f"measured_{p}": job.phases[p] for p in PHASES},
+            }
+            why = _not_modelled(job)
+            if why:
+                found.append({**row, "note": why})
+                continue
+            placement = Placement(
+                job.placement,
+                job.gpus,
+                server_gpus=job.gpus - job.train_gpus,
+                request=job.request,
+            )
+            workload = Workload(job.completions, job.prompt_tokens, job.completion_tokens, job.params_b)
+            prediction = predict(calibration, workload, placement)
+            errors = {p: prediction.phases[p] - job.phases[p] for p in PHASES}
+            worst = max(errors, key=lambda p: abs(errors[p]))
+            found.append(
+                {
+                    **row,
+                    "predicted_s": prediction.step_s,
+                    **{f"predicted_{p}": prediction.phases[p] for p in PHASES},
+                    "error": prediction.step_s / job.step_s - 1,
+                    "worst_phase": worst,
+                    "worst_phase_error_s": errors[worst],
+                    "note": "; ".join(prediction.flags),
+                }
+            )
+    return found
+
+
+def _not_modelled(job: measured.Job) -> str | None:
+    if job.placement == "none":
+        return "not modelled: transformers generate (no vLLM)"
+    if job.tp > 1:
+        return "not modelled: vLLM TP > 1 (one GPU cannot calibrate a TP group)"
+    return None
+
+
+def summary(table: list[dict], in_sample: bool = False) -> dict:
+    errors = [abs(r["error"]) for r in table if "error" in r and r["in_sample"] == in_sample]
+    if not errors:
+        return {"cases": 0}
+    return {"cases": len(errors), "median": statistics.median(errors), "max": max(errors)}
+
+
+def markdown(table: list[dict]) -> str:
+    lines = [
+        "| model | case | GPUs | request | measured s | predicted s | error | gen s meas → pred | sync s | train s | "
+        "worst phase (pred − meas) | in-sample | note |",
+        "|---|---|---:|---|---:|---:|---:|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        if "error" not in r:
+            lines.append(
+                f"| {r['model']} | {r['case']} | {r['gpus']} | {r['request']} | {r['measured_s']:.3f} | | | | | | | "
+                f"{'yes' if r['in_sample'] else 'no'} | {r['note']} |"
+            )
+            continue
+        lines.append(
+            f"| {r['model']} | {r['case']} | {r['gpus']} | {r['request']} | {r['measured_s']:.3f} | "
+            f"{r['predicted_s']:.3f} | {r['error']:+.0%} | "
+            f"{r['measured_generate']:.2f} → {r['predicted_generate']:.2f} | "
+            f"{r['measured_sync_weights']:.2f} → {r['predicted_sync_weights']:.2f} | "
+            f"{r['measured_train']:.2f} → {r['predicted_train']:.2f} | "
+            f"{r['worst_phase']} {r['worst_phase_error_s']:+.2f} s | {'yes' if r['in_sample'] else 'no'} | "
+            f"{r['note']} |"
+        )
+    for in_sample, label in ((False, "out of sample (multi-GPU)"), (True, "in-sample (the calibration's own runs)")):
+        s = summary(table, in_sample)
+        if s["cases"]:
+            lines.append("")
+            lines.append(f"{label}: {s['cases']} jobs, |error| median {s['median']:.1%}, max {s['max']:.1%}")
+    return "\n".join(lines) + "\n"
