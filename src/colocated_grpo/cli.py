@@ -18,6 +18,11 @@ COMMANDS = {
     "study": ("colocated_grpo.bench.study.__main__", [], "run DEFINITION --out DIR | report DIR: a benchmark study"),
     "bench-generate": ("colocated_grpo.bench.vllm_generate", [], "standalone vLLM generation throughput"),
     "bench-telemetry": ("colocated_grpo.bench.telemetry_overhead", [], "what the telemetry costs a training step"),
+    "placement": (
+        "colocated_grpo.bench.placement.__main__",
+        [],
+        "calibrate | predict | validate: the step time of each placement, modelled from one GPU",
+    ),
 }
 
 
