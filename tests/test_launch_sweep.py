@@ -157,7 +157,8 @@ def test_wandb_runs_share_the_sweep_group_and_are_named_by_their_overrides(tiny_
     run = read_wandb_run_record(run_file)
     assert run.run_group == sweep_dir.name
     assert run.display_name == job["path"].name and "trainer.vllm_tensor_parallel_size=2" in run.display_name
-    failed_cfg = OmegaConf.load(jobs(sweep_dir)[1]["path"] / "config.yaml")
+    # the job that failed before it started (its data cannot be built) is in the group too: Hydra's record of it
+    failed_cfg = OmegaConf.load(jobs(sweep_dir)[1]["path"] / ".hydra" / "config.yaml")
     assert failed_cfg.logger.group == sweep_dir.name
 
 

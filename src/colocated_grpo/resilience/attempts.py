@@ -99,8 +99,8 @@ class RunRecord:
 
 
 def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
-    """Rank 0, for a run refused before it started (its config): run.json says so, unless the directory already
-    holds a run, whose record stays as it is."""
+    """Rank 0, for a run that ended before it started (refused by its config, or its data failed to build): run.json
+    says so, unless the directory already holds a run, whose record stays as it is."""
     path = run_dir / run_files.RUN
     if path.exists():
         return
