@@ -2,6 +2,7 @@
 (1 rank, and 2 ranks with TP 2) whose merged weights reach the colocated engine; checkpoints hold the adapter and
 a run killed after one resumes from it."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -24,7 +25,9 @@ from colocated_grpo.run_files import read_jsonl
 from colocated_grpo.training import adapters
 from colocated_grpo.training.config import ConfigError, validate
 
-peft = pytest.importorskip("peft", reason="the `peft` extra (bash .ci/install.sh cpu installs it)")
+needs_peft = pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None, reason="the `peft` extra (bash .ci/install.sh cpu installs it)"
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -49,9 +52,12 @@ def problems(*overrides) -> str:
 # ------------------------------------------------------------------------------------------- config and validation
 
 
+@needs_peft
 def test_lora_group_becomes_the_peft_config_trl_receives():
     cfg = compose_train("peft=lora", "peft.r=8", "peft.lora_alpha=16", "peft.target_modules=[q_proj,v_proj]")
     validate(cfg)
+    import peft
+
     lora = adapters.peft_config(cfg)
     assert isinstance(lora, peft.LoraConfig)
     assert (lora.r, lora.lora_alpha, lora.lora_dropout) == (8, 16, 0.05)
@@ -60,6 +66,7 @@ def test_lora_group_becomes_the_peft_config_trl_receives():
     assert compose_train("+peft.use_rslora=true", "peft=lora").peft.use_rslora is True  # any LoraConfig field
 
 
+@needs_peft
 def test_bad_adapter_options_are_refused_naming_each_key():
     message = problems(
         "peft=lora", "+peft.rr=8", "peft.r=0", "peft.lora_dropout=1.5", "peft.target_modules=[q_proj,lm_head]"
@@ -77,13 +84,12 @@ def test_combinations_trl_refuses_with_adapters_are_refused_before_loading():
 
 
 def test_lora_without_the_peft_package_names_the_extra(monkeypatch):
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     assert 'peft=lora needs the `peft` package: pip install "colocated-grpo[peft]"' in problems("peft=lora")
 
 
+@needs_peft
 def test_an_adapter_model_keeps_trls_own_weight_sync():
     """TRL merges the adapters inside its sync iterator and unmerges when it ends: a batched call would read the
     unmerged weights, so placement.fast_sync leaves PEFT models to TRL's sync."""
@@ -92,6 +98,8 @@ def test_an_adapter_model_keeps_trls_own_weight_sync():
         def __init__(self):
             super().__init__()
             self.q_proj = torch.nn.Linear(4, 4)
+
+    import peft
 
     model = peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     dist = SimpleNamespace(is_zero3=False, fsdp_version=None)
@@ -160,6 +168,7 @@ def _rows(run_dir: Path, which: str = "m") -> list[dict]:
     return read_jsonl(path) if path.exists() else []
 
 
+@needs_peft
 def test_lora_run_syncs_merged_weights_to_the_engine(lora_killed_then_resumed):
     run_dir, _, output = lora_killed_then_resumed
     assert "weight sync: TRL's own" in output, "placement.fast_sync leaves PEFT to TRL's merge-sync-unmerge"
@@ -167,11 +176,13 @@ def test_lora_run_syncs_merged_weights_to_the_engine(lora_killed_then_resumed):
     assert_merged_weights_reach_the_engine(run_dir)
 
 
+@needs_peft
 def test_lora_checkpoints_hold_the_adapter(lora_killed_then_resumed):
     run_dir, _, _ = lora_killed_then_resumed
     assert_checkpoint_holds_a_trained_adapter(run_dir / f"checkpoint-{STEPS}")
 
 
+@needs_peft
 def test_lora_run_resumes_from_its_adapter_checkpoint(lora_killed_then_resumed):
     """The resumed run samples the steps after the checkpoint as the killed one did (the same completions and
     rewards, which a fresh adapter, B = 0, could not give) and trains them alike. The loss is equal only to rounding:
@@ -194,6 +205,7 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(lora_killed_then_resumed):
         assert again["loss"] == pytest.approx(m["loss"], abs=1e-4)
 
 
+@needs_peft
 def test_lora_two_ranks_with_tensor_parallel_two(train):
     run = train(
         *LORA,
