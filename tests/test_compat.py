@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 from trl.generation.vllm_generation import extract_logprobs
 from vllm.logprobs import FlatLogprobs, Logprob
 
@@ -55,7 +56,7 @@ def _generation(mode="colocate", zero3=False, fsdp=None):
         mode=mode,
         _iter_named_params=lambda: iter(()),
         _dist=SimpleNamespace(is_zero3=zero3, fsdp_version=fsdp),
-        model=SimpleNamespace(),
+        model=torch.nn.Module(),  # accelerate's is_peft_model reads it as a module once peft is installed
     )
 
 

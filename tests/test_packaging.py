@@ -46,12 +46,14 @@ def imported_top_levels() -> dict[str, str]:
 
 
 def undeclared(imports: dict[str, str]) -> dict[str, tuple[str, list[str] | None]]:
-    """The imports no declared distribution provides: name → (a file importing it, the distributions that do)."""
+    """The imports no declared distribution provides: name → (a file importing it, the distributions that do). An
+    import named as a declared distribution counts as declared when it is not installed (an optional extra)."""
     providers = metadata.packages_distributions()
     return {
         name: (where, providers.get(name))
         for name, where in imports.items()
         if not {canonicalize_name(d) for d in providers.get(name, [])} & declared()
+        and not (name not in providers and canonicalize_name(name) in declared())
     }
 
 

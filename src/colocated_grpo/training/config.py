@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.resilience.checkpoints import RESUME_MODES
-from colocated_grpo.training import data, field_types, models, rewards
+from colocated_grpo.training import adapters, data, field_types, models, rewards
 from colocated_grpo.training.models import SHAPES, attention_heads
 
 # Our keys that are not GRPOConfig fields; everything under `trainer` goes to GRPOConfig unchanged.
@@ -52,8 +52,7 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
             f"placement.sync_chunk_gb={cfg.placement.sync_chunk_gb} must be above 0 (GiB of gathered FSDP2 weights "
             "loaded into vLLM at once, e.g. 1.0)"
         )
-    if cfg.parallelism.name == "zero3" and importlib.util.find_spec("deepspeed") is None:
-        problems.append("parallelism=zero3 needs the `deepspeed` package: pip install deepspeed (or use ddp / fsdp)")
+    problems += backend_problems(cfg)
     if problems:
         raise ConfigError(problems)
 
@@ -252,6 +251,72 @@ def gpu_only_problems(cfg: DictConfig) -> list[str]:
         problems.append(
             "parallelism=fsdp needs GPUs: accelerate turns FSDP on only for GPU-like devices, so on CPU it would "
             "train plain DDP under an FSDP name; use parallelism=ddp here"
+        )
+    return problems
+
+
+# ------------------------------------------------------------------ optional backends: DeepSpeed ZeRO-3, peft adapters
+
+
+def backend_problems(cfg: DictConfig) -> list[str]:
+    """The parallelism and peft groups: their packages (optional extras), the adapter's options, and the
+    combinations TRL or accelerate refuse with them, each named by its keys."""
+    problems = []
+    trainer = cfg.trainer
+    if cfg.parallelism.name.startswith("zero3"):
+        if importlib.util.find_spec("deepspeed") is None:
+            problems.append(
+                f"parallelism={cfg.parallelism.name} needs the `deepspeed` package: pip install "
+                '"colocated-grpo[deepspeed]" (or use parallelism=ddp / fsdp)'
+            )
+        if trainer.get("fsdp"):
+            problems.append(
+                f"parallelism={cfg.parallelism.name} and trainer.fsdp={trainer.fsdp!r} both shard the model: "
+                "transformers takes one of DeepSpeed and FSDP; drop trainer.fsdp or use parallelism=fsdp"
+            )
+    kind = adapters.name(cfg)
+    if kind == "none":
+        return problems
+    if kind not in adapters.CONFIG_CLASSES:
+        return [*problems, f"peft.name={kind!r} must be one of {['none', *adapters.CONFIG_CLASSES]}"]
+    if importlib.util.find_spec("peft") is None:
+        problems.append(f'peft={kind} needs the `peft` package: pip install "colocated-grpo[peft]" (or peft=none)')
+    else:
+        problems += _adapter_option_problems(cfg, kind)
+    if trainer.get("sync_ref_model"):
+        problems.append(
+            f"trainer.sync_ref_model=true with peft={kind}: TRL has no reference model to sync with adapters (it "
+            "disables the adapters instead); set trainer.sync_ref_model=false or peft=none"
+        )
+    return problems
+
+
+def _adapter_option_problems(cfg: DictConfig, kind: str) -> list[str]:
+    import dataclasses
+
+    import peft
+
+    fields = {f.name for f in dataclasses.fields(getattr(peft, adapters.CONFIG_CLASSES[kind]))}
+    options = adapters.options(cfg)
+    problems = []
+    for key in sorted(set(options) - fields):
+        near = difflib.get_close_matches(key, fields, n=1)
+        hint = f" (did you mean peft.{near[0]}?)" if near else ""
+        problems.append(f"peft.{key} is not a peft.{adapters.CONFIG_CLASSES[kind]} field{hint}")
+    r, alpha, dropout = options.get("r"), options.get("lora_alpha"), options.get("lora_dropout")
+    if r is not None and not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
+        problems.append(f"peft.r={r!r} must be a positive integer (the adapter rank, e.g. 16)")
+    if alpha is not None and not (isinstance(alpha, int | float) and alpha > 0):
+        problems.append(f"peft.lora_alpha={alpha!r} must be a positive number (e.g. 2 × peft.r)")
+    if dropout is not None and not (isinstance(dropout, int | float) and 0 <= dropout < 1):
+        problems.append(f"peft.lora_dropout={dropout!r} must be in [0, 1)")
+    targets = options.get("target_modules")
+    names = [targets] if isinstance(targets, str) else targets or []
+    if "lm_head" in names:
+        # TRL computes log-probs from lm_head.weight directly: an adapter there would never train (it refuses it).
+        problems.append(
+            "peft.target_modules includes lm_head: TRL computes log-probs from lm_head.weight directly, so an adapter "
+            "there would never train; remove lm_head (all-linear already leaves it out)"
         )
     return problems
 

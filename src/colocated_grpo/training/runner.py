@@ -16,7 +16,7 @@ from colocated_grpo.resilience import attempts, checkpoints, preemption, redacti
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
-from colocated_grpo.training import config, models, preflight, rewards, rollout_log, wandb_logging
+from colocated_grpo.training import adapters, backends, config, models, preflight, rewards, rollout_log, wandb_logging
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     main = is_main_process()
     if main:  # Hydra wrote its record before any code of ours ran: no credential stays in it, even if refused below
         redaction.scrub_files(run_dir / run_files.HYDRA)
+    backends.single_process_rendezvous(cfg)  # ZeRO-3 in a plain `python train.py`: rank 0 of 1, as torchrun
     world = launched_world_size(cfg)
     try:
         config.validate(cfg, world)
@@ -167,6 +168,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         args=args,
         train_dataset=train_dataset,
         callbacks=[metrics_file],
+        peft_config=adapters.peft_config(cfg),  # the peft group: LoRA adapters, or None
     )
     trl_internals.reseed_generation(trainer, int(cfg.seed))
     if (args.generation_kwargs or {}).get("flat_logprobs"):  # placement.fast_outputs, or the user's own request
