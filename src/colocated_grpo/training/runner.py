@@ -12,7 +12,15 @@ from omegaconf import DictConfig
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat import hydra as hydra_internals
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.resilience import attempts, checkpoints, preemption, redaction, startup_errors, wandb_rewind
+from colocated_grpo.resilience import (
+    attempts,
+    checkpoints,
+    preemption,
+    redaction,
+    run_dir_guard,
+    startup_errors,
+    wandb_rewind,
+)
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
@@ -47,12 +55,9 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
             attempts.record_refusal(run_dir, err, {"command": sys.argv, "overrides": hydra_internals.task_overrides()})
         _close_process_group()  # GRPOConfig may have started it
         raise
-    held = checkpoints.lock(run_dir) if main else None
-    try:
-        return _run(cfg, run_dir, main, world, prepared)
-    finally:
-        if held is not None:
-            held.release()
+    if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
+        run_dir_guard.claim(run_dir)
+    return _run(cfg, run_dir, main, world, prepared)
 
 
 def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: preflight.Prepared) -> Path:
