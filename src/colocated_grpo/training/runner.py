@@ -15,6 +15,7 @@ from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.resilience import (
     attempts,
     checkpoints,
+    console,
     preemption,
     redaction,
     run_dir_guard,
@@ -86,6 +87,7 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: prefl
     try:
         with stopper.installed():
             trainer = _start_trainer(cfg, run_dir, prepared)
+            console.quiet_tied_weights_on_resume(trainer.model)
             # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
             record.note(distributed_type=trainer.accelerator.distributed_type.value)
             trainer.add_callback(wandb_rewind.RecordWandbStep())
