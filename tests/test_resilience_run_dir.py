@@ -157,3 +157,30 @@ def test_a_failing_two_rank_run_prints_its_error_once_without_the_libraries_nois
     assert "nanobind" not in out and "Error executing job" not in out
     assert "Weave" not in out and "gradient_checkpointing` is deprecated" not in out
     assert "odd answers are not handled" in (j.dir / "train.log").read_text(), "the tracebacks are in the log file"
+
+
+# An "agent" that starts a "worker" in a session of its own, as torchrun does, and then waits.
+AGENT = """
+import os, subprocess, sys
+worker = (
+    "import os, sys, time; from colocated_grpo.resilience.preemption import stop_with_torchrun_agent; "
+    "stop_with_torchrun_agent(); print(os.getpid(), flush=True); time.sleep(60)"
+)
+env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}
+proc = subprocess.Popen([sys.executable, "-c", worker], env=env, stdout=sys.stdout, start_new_session=True)
+proc.wait()
+"""
+
+
+def test_a_worker_stops_when_its_torchrun_agent_is_killed():
+    import psutil
+
+    agent = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True)
+    worker = psutil.Process(int(agent.stdout.readline()))
+    agent.kill()  # SIGKILL: the agent cannot stop its workers itself
+    agent.wait()
+    try:
+        worker.wait(timeout=10)
+    except psutil.TimeoutExpired:
+        worker.kill()
+        raise AssertionError("the worker outlived its agent") from None

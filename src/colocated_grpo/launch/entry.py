@@ -15,7 +15,7 @@ from colocated_grpo.launch import server_placement
 from colocated_grpo.resilience import console
 from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.nonfinite import NonFiniteError
-from colocated_grpo.resilience.preemption import TrainingInterrupted
+from colocated_grpo.resilience.preemption import TrainingInterrupted, stop_with_torchrun_agent
 from colocated_grpo.resilience.startup_errors import StartupMemoryError
 from colocated_grpo.training import runner
 from colocated_grpo.training.config import ConfigError
@@ -38,6 +38,7 @@ EXPLAINED = (
 
 def main(cfg: DictConfig) -> None:
     console.quiet_known_noise()
+    stop_with_torchrun_agent()
     run_dir = Path(output_dir()).resolve()
     try:
         if launcher := in_process_multirun_launcher():
