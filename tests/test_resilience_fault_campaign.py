@@ -31,13 +31,18 @@ def test_attempts_listed_with_the_status_their_stop_implies(tmp_path):
         fc.Attempt(1, "SIGKILL", "startup", hit="startup", recorded=False),
         fc.Attempt(2, "SIGKILL", "save", hit="save", recorded=True, steps_after=4),
         fc.Attempt(3, "SIGTERM", "step", hit="step", recorded=True, steps_after=6),
-        fc.Attempt(4, None, None, hit="ran to the end", recorded=True, steps_after=8),
+        fc.Attempt(4, "SIGINT", "startup", hit="startup", recorded=False, steps_before=6, steps_after=6),
+        fc.Attempt(5, None, None, hit="ran to the end", recorded=True, steps_before=6, steps_after=8),
     ]
     listed = [{"status": "died"}, {"status": "interrupted"}, {"status": "finished"}]
     (tmp_path / "run.json").write_text(json.dumps({"attempts": listed}))
     ok, detail = fc.check_attempts(tmp_path, attempts)
-    assert ok and "1 stopped in start-up before recording" in detail, detail
-    assert [a.status for a in attempts] == [None, "died", "interrupted", "finished"]
+    assert ok and "2 stopped in start-up before recording" in detail, detail
+    assert [a.status for a in attempts] == [None, "died", "interrupted", None, "finished"]
+    attempts[3].steps_after = 7  # trained a step, yet never recorded itself
+    ok, detail = fc.check_attempts(tmp_path, attempts)
+    assert not ok and "attempt 4 (SIGINT at startup) trained steps but is not in run.json" in detail
+    attempts[3].steps_after = 6
 
     listed[1]["status"] = "died"  # a SIGTERM that did not stop the run cleanly
     (tmp_path / "run.json").write_text(json.dumps({"attempts": listed}))

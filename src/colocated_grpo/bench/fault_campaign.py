@@ -83,7 +83,11 @@ def check_attempts(run_dir: Path, attempts: list[Attempt]) -> tuple[bool, str]:
         if attempt.status != EXPECTED_STATUS[attempt.signal]:
             problems.append(f"attempt {attempt.number} ({attempt.signal}): status {attempt.status}")
     unrecorded = [a for a in attempts if not a.recorded]
-    problems += [f"attempt {a.number} ({a.signal} at {a.hit}) is not in run.json" for a in unrecorded if a.steps_after]
+    problems += [
+        f"attempt {a.number} ({a.signal} at {a.hit}) trained steps but is not in run.json"
+        for a in unrecorded
+        if a.steps_after > a.steps_before
+    ]
     note = f"; {len(unrecorded)} stopped in start-up before recording" if unrecorded else ""
     return not problems, "; ".join(problems) or f"{len(listed)} attempts, statuses as expected{note}"
 
