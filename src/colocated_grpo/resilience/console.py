@@ -63,10 +63,12 @@ def report_failure(exc: BaseException, run_dir: Path | None, explained: bool, sh
     if not _first_to_report(run_dir):
         return
     if not explained:
-        traceback.print_exception(exc)
-    elif show_cause and exc.__cause__ is not None:
-        traceback.print_exception(exc.__cause__)
-    print(line, file=sys.stderr, flush=True)
+        traceback.print_exception(exc)  # its last line is `line`
+    else:
+        if show_cause and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__)
+        print(line, file=sys.stderr)
+    sys.stderr.flush()
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         info = {"py_callstack": line, "timestamp": str(int(time.time()))}
         Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))

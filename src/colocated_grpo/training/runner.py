@@ -51,7 +51,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         _refuse_gpu_only_settings_without_gpu(cfg)
         # the dataset, each prompt's length and TRL's own rules, still before W&B starts and the model loads
         prepared = preflight.prepare(cfg, run_dir, report_to(cfg))
-    except config.ConfigError as err:
+    except Exception as err:  # refused by its config, or its data could not be prepared: recorded all the same
         if main:
             attempts.record_refusal(run_dir, err, {"command": sys.argv, "overrides": hydra_internals.task_overrides()})
         _close_process_group()  # GRPOConfig may have started it
