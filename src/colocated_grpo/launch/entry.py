@@ -1,5 +1,8 @@
 """What `train.py` runs: the one choice made above the training runner. A server placement's first process only
-orchestrates (a vLLM server and a torchrun trainer, launch/server_placement.py); every other process trains."""
+orchestrates (a vLLM server and a torchrun trainer, launch/server_placement.py); every other process trains.
+
+A failure ends the process here, reported once per launch (resilience/console.py): errors that explain themselves
+as one message, anything else with its traceback."""
 
 from __future__ import annotations
 
@@ -9,21 +12,57 @@ from omegaconf import DictConfig
 
 from colocated_grpo.compat.hydra import in_process_multirun_launcher, output_dir
 from colocated_grpo.launch import server_placement
+from colocated_grpo.resilience import console
+from colocated_grpo.resilience.checkpoints import ResumeError
+from colocated_grpo.resilience.nonfinite import NonFiniteError
+from colocated_grpo.resilience.preemption import TrainingInterrupted, stop_with_torchrun_agent
+from colocated_grpo.resilience.startup_errors import StartupMemoryError
 from colocated_grpo.training import runner
 from colocated_grpo.training.config import ConfigError
+from colocated_grpo.training.data import DataError
+from colocated_grpo.training.rewards import RewardError
+
+# Their message says what failed and what to change; a traceback would only push it off the screen. A reward's own
+# traceback (the cause of a RewardError) is shown: it points into the user's code.
+EXPLAINED = (
+    ConfigError,
+    DataError,
+    ResumeError,
+    RewardError,
+    NonFiniteError,
+    StartupMemoryError,
+    runner.NothingTrained,
+    server_placement.ServerError,
+)
 
 
 def main(cfg: DictConfig) -> None:
-    if launcher := in_process_multirun_launcher():
-        raise ConfigError(
-            [
-                f"hydra/launcher={launcher} runs every job of this multirun inside one process, but a job holds one "
-                "process group and one vLLM engine for the life of its process, and a finished job ends its process "
-                "(so later jobs would never run); drop hydra/launcher=… to use the default, hydra/launcher=torchrun "
-                "(a fresh torchrun per job), or use hydra/launcher=torchrun_slurm on a cluster"
-            ]
+    console.quiet_known_noise()
+    stop_with_torchrun_agent()
+    run_dir = Path(output_dir()).resolve()
+    try:
+        if launcher := in_process_multirun_launcher():
+            raise ConfigError(
+                [
+                    f"hydra/launcher={launcher} runs every job of this multirun inside one process, but a job holds "
+                    "one process group and one vLLM engine for the life of its process, and a finished job ends its "
+                    "process (so later jobs would never run); drop hydra/launcher=… to use the default, "
+                    "hydra/launcher=torchrun (a fresh torchrun per job), or use hydra/launcher=torchrun_slurm on a "
+                    "cluster"
+                ]
+            )
+        if server_placement.is_launcher(cfg):
+            server_placement.run_placement(cfg, run_dir)
+        else:
+            runner.run_and_exit(cfg)
+    except TrainingInterrupted as stopped:  # already said, with the command that resumes it
+        console.exit_now(stopped.code)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        if runner.is_main_process():
+            print("KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
+        console.exit_now(130)
+    except Exception as exc:
+        console.report_failure(
+            exc, run_dir, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError)
         )
-    if server_placement.is_launcher(cfg):
-        server_placement.run_placement(cfg, Path(output_dir()).resolve())
-    else:
-        runner.run_and_exit(cfg)
+        console.exit_now(1)

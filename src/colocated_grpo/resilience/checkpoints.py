@@ -160,6 +160,13 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
         )
         return Resume(None, previous)
     check_config(cfg, run_dir, previous)
+    max_steps = int(cfg.trainer.get("max_steps") or -1)
+    if 0 < max_steps <= checkpoint.step:  # resuming would still train one more step
+        raise ResumeError(
+            f"{run_dir} holds a run that reached trainer.max_steps={max_steps} (checkpoint-{checkpoint.step}, "
+            f"status: {status}): nothing is left to train. Raise trainer.max_steps to extend it, or choose a new "
+            "hydra.run.dir"
+        )
     return Resume(checkpoint, previous)
 
 

@@ -12,7 +12,16 @@ from omegaconf import DictConfig
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat import hydra as hydra_internals
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.resilience import attempts, checkpoints, preemption, redaction, startup_errors, wandb_rewind
+from colocated_grpo.resilience import (
+    attempts,
+    checkpoints,
+    console,
+    preemption,
+    redaction,
+    run_dir_guard,
+    startup_errors,
+    wandb_rewind,
+)
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
@@ -48,12 +57,9 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
             attempts.record_refusal(run_dir, err, {"command": sys.argv, "overrides": hydra_internals.task_overrides()})
         _close_process_group()  # GRPOConfig may have started it
         raise
-    held = checkpoints.lock(run_dir) if main else None
-    try:
-        return _run(cfg, run_dir, main, world, prepared)
-    finally:
-        if held is not None:
-            held.release()
+    if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
+        run_dir_guard.claim(run_dir)
+    return _run(cfg, run_dir, main, world, prepared)
 
 
 def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: preflight.Prepared) -> Path:
@@ -82,6 +88,7 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: prefl
     try:
         with stopper.installed():
             trainer = _start_trainer(cfg, run_dir, prepared)
+            console.quiet_tied_weights_on_resume(trainer.model)
             # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
             record.note(distributed_type=trainer.accelerator.distributed_type.value)
             trainer.add_callback(wandb_rewind.RecordWandbStep())

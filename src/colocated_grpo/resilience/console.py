@@ -1,0 +1,113 @@
+"""What a run prints: a failure reported once per launch, and known noise of the libraries filtered at its source.
+
+A failure: the whole traceback goes to the job's log file (`<run dir>/train.log`, Hydra's file handler) on every
+rank; the console gets `Type: message` once per launch, from rank 0 or the first rank that failed (a rank that
+fails because another one did says nothing), with the traceback only where the message does not explain itself.
+Under torchrun the same line goes to the worker's error file, so torchrun's closing ChildFailedError block names
+the error instead of "To enable traceback see …". The process then ends at once: the interpreter's teardown would
+print dozens of `nanobind: leaked …` lines (triton's bindings) after the error.
+
+Noise filtered, each by its exact source: W&B's Weave advertisement (`WANDB_DISABLE_WEAVE`), transformers'
+FutureWarnings about the `gradient_checkpointing` names that TRL still reads, and transformers' "missing keys in the
+checkpoint" on resume when the missing keys are tied weights (`lm_head.weight` of a model with tied embeddings,
+which the checkpoint stores once and loading ties again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OTHER_RANKS_WAIT_S = 2.0  # a failing rank other than 0 lets a failing rank 0 report first
+
+
+def quiet_known_noise() -> None:
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+class _TiedKeysMissing(logging.Filter):
+    def __init__(self, tied: set[str]):
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = re.match(r"There were missing keys in the checkpoint model loaded: \[(.*)\]\.$", record.getMessage())
+        if not m:
+            return True
+        missing = {k.strip().strip("'\"") for k in m[1].split(",") if k.strip()}
+        return not (missing and missing <= self.tied)
+
+
+def quiet_tied_weights_on_resume(model) -> None:
+    """Drop transformers' missing-keys warning on resume when every missing key is a tied weight of `model`."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    if tied:
+        logging.getLogger("transformers.trainer").addFilter(_TiedKeysMissing(tied))
+
+
+def report_failure(exc: BaseException, run_dir: Path | None, explained: bool, show_cause: bool = False) -> None:
+    """Log `exc` with its traceback to the log files; print it on the console once per launch (a traceback only
+    when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward)."""
+    line = f"{type(exc).__name__}: {exc}"
+    _log_to_files(exc)
+    if not _first_to_report(run_dir):
+        return
+    if not explained:
+        traceback.print_exception(exc)  # its last line is `line`
+    else:
+        if show_cause and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__)
+        print(line, file=sys.stderr)
+    sys.stderr.flush()
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
+
+
+def exit_now(code: int) -> None:
+    """End the process without the interpreter's teardown (see the module's docstring)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _first_to_report(run_dir: Path | None) -> bool:
+    """Whether this process reports its launch's failure: always when it is the only process, else the first of the
+    launch's processes on this node to claim it (rank 0 gets a head start)."""
+    if "LOCAL_RANK" not in os.environ or run_dir is None:
+        return _rank() == 0 or "LOCAL_RANK" not in os.environ
+    if _rank() != 0:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    import psutil
+
+    agent = psutil.Process(os.getppid())  # the torchrun agent: the ranks' parent, one marker per launch and node
+    marker = Path(run_dir) / f".failure-{agent.pid}-{agent.create_time():.0f}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return _rank() == 0
+
+
+def _log_to_files(exc: BaseException) -> None:
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run failed", (), (type(exc), exc, exc.__traceback__))
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

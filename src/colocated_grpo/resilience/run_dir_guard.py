@@ -1,0 +1,103 @@
+"""The run directory, claimed before Hydra writes into it.
+
+Hydra creates `hydra.run.dir` and writes its record (`.hydra/config.yaml`, `overrides.yaml`, `hydra.yaml`) before any
+code of the run executes. `RunDirGuard` (a Hydra callback, `hydra.callbacks` in conf/train.yaml) runs first, at
+`on_run_start`:
+
+- a directory that cannot be created or written is refused with one line naming `hydra.run.dir`, the path and the
+  system's reason (instead of Hydra's chained tracebacks);
+- rank 0 takes the run directory's lock (resilience/checkpoints.py `lock`), so a second launch into a directory in
+  use is refused before Hydra rewrites the live run's record with the refused run's settings;
+- only rank 0 writes Hydra's record: the other ranks of a launch would otherwise write it without holding the lock.
+
+The lock is held until the process ends. A process started by the holder for the same directory (the trainer that
+a server placement's launcher starts) inherits it through `HELD_ENV`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from colocated_grpo.resilience import checkpoints
+
+HELD_ENV = "COLOCATED_GRPO_RUN_DIR_HELD"  # the run directory a parent process holds for its children
+OTHER_RANKS_WAIT_S = 30  # a refused launch's other ranks leave the message to rank 0, which torchrun then reports
+
+_held: dict[Path, object] = {}  # run directory -> its lock, for the life of this process
+
+
+class RunDirRefused(SystemExit):
+    """The run directory cannot be used; raised as SystemExit so that neither Hydra nor its callback runner turns
+    it into a traceback or a warning."""
+
+
+class RunDirGuard(Callback):
+    def on_run_start(self, config, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from omegaconf import OmegaConf, read_write
+
+        HydraConfig.instance().set_config(config)  # what run_job does first: ${hydra:…} in the path resolves
+        run_dir = Path(os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir"))))
+        main = int(os.environ.get("RANK", "0")) == 0
+        try:
+            check_writable(run_dir, main)
+        except RunDirRefused as refused:
+            if not main:  # rank 0 says it; torchrun stops this rank when rank 0 exits
+                time.sleep(OTHER_RANKS_WAIT_S)
+            print(f"error: {refused.code}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        if not main:
+            with read_write(config.hydra):
+                config.hydra.output_subdir = None
+
+
+def check_writable(run_dir: Path, claim_it: bool = True) -> None:
+    """Create `run_dir` and (rank 0) claim it, or raise RunDirRefused saying why."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if claim_it:
+            claim(run_dir)
+        elif not os.access(run_dir, os.W_OK):
+            raise PermissionError(13, "Permission denied", str(run_dir))
+    except checkpoints.ResumeError as err:
+        raise RunDirRefused(str(err)) from None
+    except OSError as err:
+        raise RunDirRefused(
+            f"hydra.run.dir={run_dir} cannot be used as the run directory: {describe(err, run_dir)}; choose a "
+            "directory you can write, e.g. hydra.run.dir=outputs/runs/NAME"
+        ) from None
+
+
+def describe(err: OSError, run_dir: Path) -> str:
+    """The system's reason, with the path it concerns (the first existing ancestor that is not a directory, if any)."""
+    reason = err.strerror or str(err)
+    for parent in [run_dir, *run_dir.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a directory ({reason})"
+            break
+    where = err.filename or run_dir
+    return f"{reason}: {where}"
+
+
+def claim(run_dir: Path) -> None:
+    """Hold `run_dir` for this process (rank 0) until it ends; ResumeError when another process holds it. Claiming
+    a directory this process, or the process that started it, already holds does nothing."""
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _held or os.environ.get(HELD_ENV) == str(run_dir):
+        return
+    _held[run_dir] = checkpoints.lock(run_dir)
+    os.environ[HELD_ENV] = str(run_dir)
+
+
+def release_all() -> None:
+    """Let go of every directory this process holds (for callers that run several runs in one process)."""
+    for run_dir in list(_held):
+        _held.pop(run_dir).release()
+        if os.environ.get(HELD_ENV) == str(run_dir):
+            del os.environ[HELD_ENV]
