@@ -18,6 +18,11 @@ COMMANDS = {
     "study": ("colocated_grpo.bench.study.__main__", [], "run DEFINITION --out DIR | report DIR: a benchmark study"),
     "bench-generate": ("colocated_grpo.bench.vllm_generate", [], "standalone vLLM generation throughput"),
     "bench-telemetry": ("colocated_grpo.bench.telemetry_overhead", [], "what the telemetry costs a training step"),
+    "fault-campaign": (
+        "colocated_grpo.bench.fault_campaign",
+        [],
+        "a CPU run interrupted at random moments and resumed each time; checks every step is kept once",
+    ),
     "placement": (
         "colocated_grpo.bench.placement.__main__",
         [],
