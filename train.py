@@ -4,6 +4,7 @@ import hydra
 from omegaconf import DictConfig
 
 from colocated_grpo.launch import run_start
+from colocated_grpo.resilience import startup_signals
 
 run_start.register()  # ${run_start:…} in conf/train.yaml: one run directory for all ranks
 
@@ -17,4 +18,4 @@ def main(cfg: DictConfig) -> None:
 
 # vLLM spawns worker processes that re-import this module: the guard keeps them from re-running training.
 if __name__ == "__main__":
-    main()
+    startup_signals.run(main)  # SIGTERM in start-up exits 143 saying so, as Ctrl-C exits 130

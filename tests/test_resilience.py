@@ -305,6 +305,19 @@ def test_ctrl_c_while_the_model_and_engine_load_interrupts_and_the_same_command_
     assert run["status"] == "finished" and [a["status"] for a in run["attempts"]] == ["interrupted", "finished"]
 
 
+def test_sigterm_in_start_up_stops_with_143_not_a_silent_kill(model_cache, tmp_path):
+    """SIGTERM before the runner's own handler is installed (config checks, data, W&B) unwinds like Ctrl-C: exit 143
+    with a line saying so, instead of Python's default (killed at once, -15, nothing said)."""
+    run_dir = tmp_path / "run"
+    j = Job(run_dir, model_cache, "trainer.max_steps=2", "logger=none")
+    j.wait_until(lambda: (run_dir / ".hydra" / "config.yaml").exists())  # Hydra composed: train.py is in start-up
+    j.signal_group(signal.SIGTERM)
+    assert j.wait() == 143, j.output[-4000:]
+    assert "SIGTERM" in j.output and "Traceback" not in j.output, j.output[-4000:]
+    if (run_dir / "run.json").exists():  # the signal came after the run recorded itself
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
 def test_a_run_that_trains_nothing_fails_saying_why(job):
     """Fewer prompts than one generation batch: TRL stops at step 0; that is no finished run."""
     j = job("vllm=none", "data.num_samples=1", "trainer.per_device_train_batch_size=8", "logger=none", check=False)

@@ -17,6 +17,7 @@ from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.nonfinite import NonFiniteError
 from colocated_grpo.resilience.preemption import TrainingInterrupted, stop_with_torchrun_agent
 from colocated_grpo.resilience.startup_errors import StartupMemoryError
+from colocated_grpo.resilience.startup_signals import StoppedInStartup
 from colocated_grpo.training import runner
 from colocated_grpo.training.config import ConfigError
 from colocated_grpo.training.data import DataError
@@ -57,6 +58,10 @@ def main(cfg: DictConfig) -> None:
             runner.run_and_exit(cfg)
     except TrainingInterrupted as stopped:  # already said, with the command that resumes it
         console.exit_now(stopped.code)
+    except StoppedInStartup as stop:
+        if runner.is_main_process():
+            print(stop, flush=True)
+        console.exit_now(stop.code)
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
         if runner.is_main_process():
             print("KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)

@@ -106,8 +106,8 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: prefl
                 "use more data (data.num_samples) or a smaller batch"
             )
         status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
-    except KeyboardInterrupt:
-        status, exit_code = "interrupted", 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (resilience/startup_signals.py)
+        status, exit_code = "interrupted", getattr(stop, "code", 130)
         raise
     except Exception as exc:
         error = exc

@@ -1,0 +1,31 @@
+"""SIGTERM during start-up, before the runner installs its own handler (resilience/preemption.py): Python's default
+would kill the process at once (exit -15, nothing said, nothing recorded). Until then SIGTERM unwinds like Ctrl-C
+does, so a run that recorded itself says `interrupted` and the process exits 143 (128 + SIGTERM). Standard library
+only: train.py installs it before anything heavy is imported."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+
+class StoppedInStartup(KeyboardInterrupt):
+    """SIGTERM before the first step; `code` is the exit status."""
+
+    code = 128 + signal.SIGTERM
+
+
+def _raise(signum, frame) -> None:
+    raise StoppedInStartup("SIGTERM during start-up: stopped before the first step, nothing trained")
+
+
+def run(main: Callable[[], None]) -> None:
+    """Call `main` with SIGTERM unwinding as StoppedInStartup until the runner installs its own handler; a stop
+    before the runner can report it (Hydra still composing or writing its record) ends here, in one line."""
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        main()
+    except StoppedInStartup as stop:
+        print(stop, file=sys.stderr, flush=True)
+        sys.exit(stop.code)
