@@ -96,14 +96,21 @@ def _optimizer_states(checkpoint: Path) -> dict:
     return torch.load(path, weights_only=False, map_location="cpu")
 
 
-@needs_deepspeed
-def test_zero3_in_a_plain_python_process(train):
-    """`python train.py parallelism=zero3`: one process with torchrun's rendezvous (DeepSpeed would look for MPI)."""
-    run = train("parallelism=zero3", *MOVING)
-    assert_gathered_weights_reach_the_engine(run)
-    checkpoint = run.dir / "checkpoint-3"
-    assert (checkpoint / "model.safetensors").exists(), "stage3_gather_16bit_weights_on_model_save: full weights"
-    assert "offload_optimizer" not in _optimizer_states(checkpoint)["ds_config"]["zero_optimization"]
+def test_zero3_in_a_plain_python_process_gets_torchruns_rendezvous(monkeypatch):
+    """`python train.py parallelism=zero3` is one process that no launcher set up: it gets the variables `torchrun
+    --nproc_per_node=1` would set (DeepSpeed would look for MPI otherwise); a launcher's own are left alone."""
+    from colocated_grpo.training import backends
+
+    for key in backends.RENDEZVOUS:
+        monkeypatch.delenv(key, raising=False)
+    assert backends.single_process_rendezvous(compose_train("parallelism=ddp")) == {}
+    set_ = backends.single_process_rendezvous(compose_train("parallelism=zero3"))
+    assert {k: set_[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == dict.fromkeys(
+        ("RANK", "LOCAL_RANK"), "0"
+    ) | dict.fromkeys(("WORLD_SIZE", "LOCAL_WORLD_SIZE"), "1")
+    assert int(set_["MASTER_PORT"]) > 0
+    monkeypatch.setenv("RANK", "1")  # started by a launcher
+    assert backends.single_process_rendezvous(compose_train("parallelism=zero3_offload")) == {}
 
 
 @needs_deepspeed
@@ -117,7 +124,9 @@ def test_zero3_offload_two_ranks_with_tensor_parallel_two(train):
         nproc=2,
     )
     assert assert_gathered_weights_reach_the_engine(run)["world_size"] == 2
-    states = _optimizer_states(run.dir / "checkpoint-3")
+    checkpoint = run.dir / "checkpoint-3"
+    assert (checkpoint / "model.safetensors").exists(), "stage3_gather_16bit_weights_on_model_save: full weights"
+    states = _optimizer_states(checkpoint)
     assert states["ds_config"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert states["optimizer_state_dict"]["partition_count"] == 2, "sharded over both ranks"
     assert [r["train/global_step"] for r in read_jsonl(run.dir / "rollouts.jsonl")] == [1, 2, 3]
