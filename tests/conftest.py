@@ -16,6 +16,32 @@ from colocated_grpo.launch.processes import TRAIN_SCRIPT, free_port, torchrun_co
 from colocated_grpo.run_files import read_jsonl
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_train(*overrides):
+    """train.yaml composed with these overrides, as `python train.py` would (no Hydra run config)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=False)
+
+
+def config_problems(*overrides) -> str:
+    """The message config.validate refuses these overrides with (it must refuse them)."""
+    from colocated_grpo.training.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_train(*overrides))
+    return str(err.value)
+
+
+@pytest.fixture
+def offline_config(tmp_path, monkeypatch):
+    """Config checks that may build a model write into a fresh cache, as one process outside torchrun."""
+    monkeypatch.setenv("COLOCATED_GRPO_CACHE", str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
 
 # A test that uses one of these starts real processes: train.py, a sweep, torchrun, vLLM.
 E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}

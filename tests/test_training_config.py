@@ -1,28 +1,17 @@
 """Every experiment composes and validates; each bad input fails before any model is loaded, naming key and fix."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from conftest import CONF, compose_train
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
 from colocated_grpo.training.config import ConfigError, grpo_config, validate
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
-def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides), return_hydra_config=False)
-
-
-@pytest.fixture(autouse=True)
-def _offline_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLOCATED_GRPO_CACHE", str(tmp_path))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("offline_config")
 
 
 def test_required_experiments_exist():

@@ -14,8 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import start_own_session
-from hydra import compose, initialize_config_dir
+from conftest import compose_train, config_problems, start_own_session
 from safetensors.torch import load_file
 
 from colocated_grpo.compat import trl as trl_internals
@@ -23,30 +22,14 @@ from colocated_grpo.launch.processes import TRAIN_SCRIPT, free_port
 from colocated_grpo.resilience import checkpoints
 from colocated_grpo.run_files import read_jsonl
 from colocated_grpo.training import adapters
-from colocated_grpo.training.config import ConfigError, validate
+from colocated_grpo.training.config import validate
 
 needs_peft = pytest.mark.skipif(
     importlib.util.find_spec("peft") is None, reason="the `peft` extra (bash .ci/install.sh cpu installs it)"
 )
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
-
-def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides), return_hydra_config=False)
-
-
-@pytest.fixture(autouse=True)
-def _offline_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLOCATED_GRPO_CACHE", str(tmp_path))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-
-def problems(*overrides) -> str:
-    with pytest.raises(ConfigError) as err:
-        validate(compose_train(*overrides))
-    return str(err.value)
+pytestmark = pytest.mark.usefixtures("offline_config")
 
 
 # ------------------------------------------------------------------------------------------- config and validation
@@ -68,25 +51,25 @@ def test_lora_group_becomes_the_peft_config_trl_receives():
 
 @needs_peft
 def test_bad_adapter_options_are_refused_naming_each_key():
-    message = problems(
+    message = config_problems(
         "peft=lora", "+peft.rr=8", "peft.r=0", "peft.lora_dropout=1.5", "peft.target_modules=[q_proj,lm_head]"
     )
     assert "peft.rr is not a peft.LoraConfig field (did you mean peft.r?)" in message
     assert "peft.r=0 must be a positive integer" in message
     assert "peft.lora_dropout=1.5 must be in [0, 1)" in message
     assert "peft.target_modules includes lm_head" in message
-    assert "peft.name='prefix' must be one of ['none', 'lora']" in problems("peft=lora", "peft.name=prefix")
+    assert "peft.name='prefix' must be one of ['none', 'lora']" in config_problems("peft=lora", "peft.name=prefix")
 
 
 def test_combinations_trl_refuses_with_adapters_are_refused_before_loading():
-    message = problems("peft=lora", "trainer.beta=0.04", "trainer.sync_ref_model=true")
+    message = config_problems("peft=lora", "trainer.beta=0.04", "trainer.sync_ref_model=true")
     assert "trainer.sync_ref_model=true with peft=lora" in message
 
 
 def test_lora_without_the_peft_package_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
-    assert 'peft=lora needs the `peft` package: pip install "colocated-grpo[peft]"' in problems("peft=lora")
+    assert 'peft=lora needs the `peft` package: pip install "colocated-grpo[peft]"' in config_problems("peft=lora")
 
 
 @needs_peft

@@ -7,29 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import compose_train, config_problems
 
 from colocated_grpo.run_files import read_jsonl
-from colocated_grpo.training.config import ConfigError, validate
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=list(overrides), return_hydra_config=False)
-
-
-@pytest.fixture(autouse=True)
-def _offline_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLOCATED_GRPO_CACHE", str(tmp_path))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-
-def problems(*overrides) -> str:
-    with pytest.raises(ConfigError) as err:
-        validate(compose_train(*overrides))
-    return str(err.value)
+pytestmark = pytest.mark.usefixtures("offline_config")
 
 
 # ------------------------------------------------------------------------------------------- config and validation
@@ -50,12 +32,12 @@ def test_zero3_groups_are_the_blogs_deepspeed_config():
 def test_zero3_without_deepspeed_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
-    message = problems("parallelism=zero3_offload")
+    message = config_problems("parallelism=zero3_offload")
     assert 'parallelism=zero3_offload needs the `deepspeed` package: pip install "colocated-grpo[deepspeed]"' in message
 
 
 def test_zero3_with_fsdp_settings_is_refused_naming_both_keys():
-    message = problems("parallelism=zero3", "trainer.fsdp=full_shard")
+    message = config_problems("parallelism=zero3", "trainer.fsdp=full_shard")
     assert "parallelism=zero3 and trainer.fsdp='full_shard' both shard the model" in message
 
 
