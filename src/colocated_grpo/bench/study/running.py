@@ -28,7 +28,7 @@ from colocated_grpo.run_files import write_json
 
 
 def run(definition: str | Path, out: str | Path) -> None:
-    checkout()  # refuses at once when there is no train.py to run
+    repo = checkout()  # refuses at once when there is no train.py to run
     study, out = load(definition), Path(out).resolve()  # jobs write where this process means, whatever their cwd
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(definition).read_text())
@@ -41,7 +41,7 @@ def run(definition: str | Path, out: str | Path) -> None:
     ]
     started = time.monotonic()
     try:
-        _run_steps(study, out, steps)
+        _run_steps(study, out, steps, repo)
     except KeyboardInterrupt:  # the job in flight was stopped with SIGINT and recorded as interrupted
         print(
             f"study interrupted after {time.monotonic() - started:.0f} s; run the same command again to continue",
@@ -53,8 +53,7 @@ def run(definition: str | Path, out: str | Path) -> None:
     print(f"study done in {time.monotonic() - started:.0f} s; report: colocated-grpo study report {out}")
 
 
-def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]]) -> None:
-    repo = checkout()
+def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]], repo: Path) -> None:
     with Progress("study", len(steps)) as shown:
         for i, (model, kind, name) in enumerate(steps, 1):
             label = f"[{i}/{len(steps)}] {model} {name}"
