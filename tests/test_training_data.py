@@ -5,18 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import compose_train
 
 from colocated_grpo.training import data, models, preflight, prompt_lengths
 from colocated_grpo.training.config import ConfigError, validate
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 POST = "SUBREDDIT: r/AskReddit TITLE: my neighbour keeps borrowing my ladder POST: " + "It happened again today. " * 4
 
 
-def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=["+experiment=tiny_cpu", *overrides], return_hydra_config=False)
+def compose_tiny(*overrides):
+    return compose_train("+experiment=tiny_cpu", *overrides)
 
 
 @pytest.fixture(autouse=True)
@@ -42,17 +40,17 @@ def tldr_dir(tmp_path) -> Path:
 
 def problems_of(*overrides) -> list[str]:
     with pytest.raises(ConfigError) as err:
-        validate(compose_train(*overrides), 1)
+        validate(compose_tiny(*overrides), 1)
     return err.value.problems
 
 
 def test_hub_form_reads_a_local_dataset_directory_prompt_only(tldr_dir):
-    cfg = compose_train("data=hub", f"data.path={tldr_dir}", "reward=length_chars")
+    cfg = compose_tiny("data=hub", f"data.path={tldr_dir}", "reward=length_chars")
     validate(cfg, 1)
     ds = data.build(cfg.data)
     assert set(ds.column_names) == {"prompt", "completion"} and len(ds) == 8  # no answer: prompt-only
     assert ds[0]["prompt"][-1] == {"role": "user", "content": f"{POST} (0)\nTL;DR:"}
-    cfg = compose_train("data=hub", f"data.path={tldr_dir}", "data.chat_template=false", "data.num_samples=3")
+    cfg = compose_tiny("data=hub", f"data.path={tldr_dir}", "data.chat_template=false", "data.num_samples=3")
     ds = data.build(cfg.data)
     assert ds[0]["prompt"] == f"{POST} (0)\nTL;DR:" and len(ds) == 3
 
@@ -91,7 +89,7 @@ def test_hub_dataset_without_path_and_empty_files_are_named(tmp_path):
 
 
 def test_a_hub_name_validates_without_the_network():
-    validate(compose_train("data=hub", "data.path=trl-lib/tldr", "reward=length_chars"), 1)
+    validate(compose_tiny("data=hub", "data.path=trl-lib/tldr", "reward=length_chars"), 1)
 
 
 TOKENIZER = None
@@ -131,10 +129,10 @@ def test_overlong_prompts_fail_drop_or_truncate_keeping_their_end(chat):
 
 def test_preflight_refuses_long_prompts_naming_keys_and_derives_the_engine_length(tldr_dir, tmp_path):
     base = ("data=hub", f"data.path={tldr_dir}", "data.chat_template=false", "reward=length_chars", "logger=none")
-    cfg = compose_train(*base, "data.max_prompt_tokens=40")
+    cfg = compose_tiny(*base, "data.max_prompt_tokens=40")
     with pytest.raises(ConfigError, match=r"data: 8 of 8 prompts are longer than 40 tokens \(data.max_prompt_tokens\)"):
         preflight.prepare(cfg, tmp_path, [])
-    cfg = compose_train(
+    cfg = compose_tiny(
         *base, "data.max_prompt_tokens=40", "data.overlong_prompts=truncate", "trainer.vllm_max_model_length=null"
     )
     prepared = preflight.prepare(cfg, tmp_path, [])
