@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +114,9 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
     # both ranks' tokens reach rank 0's count (gathered every step)
     assert sum(m["perf/tokens"] for m in metrics) == metrics[-1]["num_tokens"]
     assert len(list(run.dir.glob("wandb/offline-run-*"))) == 1, "only rank 0 writes W&B"
+    # the CPU engine's tensor-parallel shared memory is named per launch and leaves nothing in /dev/shm
+    port = next(a.split("=")[1] for a in run.proc.args if a.startswith("--master_port="))
+    assert not list(Path("/dev/shm").glob(f"job{port}-*")), "a later run on this port would fail with errno 17"
 
 
 def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):

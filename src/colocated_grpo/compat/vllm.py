@@ -9,9 +9,13 @@ On CPU, vLLM repacks every linear layer's weight for oneDNN after loading and dr
 keep serving the old weights. Keeping plain `torch.nn.functional.linear` on the live parameter makes every sync
 visible to the next generation.
 
-Second, under torchrun (`external_launcher`) every CPU engine names its tensor-parallel shared-memory segment
-after "env://", so two TP runs on one machine collide ("create shm in SHMManager failed. errno: 17"); the
-rendezvous port makes the name unique per job. CUDA builds of vLLM are untouched.
+Second, under torchrun (`external_launcher`) every CPU engine names its tensor-parallel shared-memory segments
+(/dev/shm, one per rank) after "env://", so two TP runs on one machine collide ("create shm in SHMManager failed.
+errno: 17"). The name here holds the rendezvous port and the torchrun agent's pid (the ranks' parent), unique per
+launch. And since a run ends without vLLM's teardown (os._exit, or SIGKILL), each rank removes its segment's name
+as soon as every rank has mapped every segment: the memory stays mapped while the engine lives, and nothing is
+left in /dev/shm after it (a port reused by a later run found a stale segment and failed the same way).
+CUDA builds of vLLM are untouched.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import logging
 import os
 import re
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +62,19 @@ def prepare_cpu() -> None:
     shm = cpu_communicator._CPUSHMDistributed
     shared_name = shm.make_group_name
 
-    def per_job_name(communicator) -> str:
-        os.environ["VLLM_DIST_IDENT"] = f"job{os.environ.get('MASTER_PORT', '')}"
+    def per_launch_name(communicator) -> str:
+        os.environ["VLLM_DIST_IDENT"] = f"job{os.environ.get('MASTER_PORT', '')}-{os.getppid()}"
         return shared_name(communicator)
 
-    shm.make_group_name = staticmethod(per_job_name)
+    create_and_join = shm._init_cpu_shm
+
+    def create_join_and_unlink(self) -> int:
+        handle = create_and_join(self)  # ends with a barrier: every rank has joined every segment
+        Path("/dev/shm", f"{self.group_name}_{self.communicator.rank}").unlink(missing_ok=True)
+        return handle
+
+    shm.make_group_name = staticmethod(per_launch_name)
+    shm._init_cpu_shm = create_join_and_unlink
 
 
 # Start-up memory failures, as vLLM words them (groups: the numbers it saw).

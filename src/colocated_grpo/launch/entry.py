@@ -6,6 +6,7 @@ as one message, anything else with its traceback."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -67,6 +68,8 @@ def main(cfg: DictConfig) -> None:
             print("KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
         console.exit_now(130)
     except Exception as exc:
+        # torchrun's SIGTERM (another rank failed too) must not cut this report short, nor turn it into start-up's
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         console.report_failure(
             exc, run_dir, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError)
         )

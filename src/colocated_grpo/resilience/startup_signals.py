@@ -5,6 +5,8 @@ only: train.py installs it before anything heavy is imported."""
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -28,4 +30,5 @@ def run(main: Callable[[], None]) -> None:
         main()
     except StoppedInStartup as stop:
         print(stop, file=sys.stderr, flush=True)
-        sys.exit(stop.code)
+        logging.shutdown()
+        os._exit(stop.code)  # without the interpreter's teardown, which prints triton's "nanobind: leaked …" lines
