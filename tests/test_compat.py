@@ -72,3 +72,17 @@ def _generation(mode="colocate", zero3=False, fsdp=None):
 )
 def test_weight_sync_is_batched_only_where_trls_tensors_outlive_its_iterator(generation, plan):
     assert trl_internals.fast_sync_plan(generation) == plan
+
+
+def test_colocated_engines_get_the_extra_arguments_over_trls_own(monkeypatch):
+    """placement.cpu_eager reaches TRL's `LLM(...)` call this way; wrapping twice keeps one layer."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from colocated_grpo.compat import trl as trl_internals
+
+    built = []
+    monkeypatch.setattr(vllm_generation, "LLM", lambda *args, **kwargs: built.append(kwargs))
+    trl_internals.build_colocated_engines_with(enforce_eager=True)
+    trl_internals.build_colocated_engines_with(enforce_eager=True)
+    vllm_generation.LLM(model="m", enforce_eager=False, max_num_batched_tokens=4096)
+    assert built == [{"model": "m", "enforce_eager": True, "max_num_batched_tokens": 4096}]

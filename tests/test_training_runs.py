@@ -15,6 +15,8 @@ def default_run(train):
 def test_default_run_trains_three_steps_and_writes_run_files(default_run):
     metrics = default_run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2, 3]
+    record = json.loads((default_run.dir / "run.json").read_text())
+    assert record["vllm_enforce_eager"] is True, "placement.cpu_eager: the live engine runs without torch.compile"
     for m in metrics:
         assert {
             "loss",

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.compat import vllm as vllm_internals
 
 OUTPUTS = ("none", "trl", "fast")
 
@@ -168,16 +169,20 @@ def _print_shares(results: list[dict]) -> None:
 
 
 def engine_kwargs(engine: str) -> dict:
-    """LLM(...) arguments of the engine kind; "trl" mirrors trl.generation.vllm_generation's colocate engine."""
+    """LLM(...) arguments of the engine kind; "trl" mirrors trl.generation.vllm_generation's colocate engine. On CPU
+    both run eagerly, as train.py's engine does there by default (placement.cpu_eager)."""
+    import torch
+
+    cpu = {} if torch.cuda.is_available() else vllm_internals.run_eagerly()
     if engine == "default":
-        return {}
+        return cpu
     if "WORLD_SIZE" not in os.environ:  # one process of its own: the rendezvous external_launcher expects
         from colocated_grpo.launch.processes import free_port
 
         os.environ.update(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
-    return dict(trl_internals.COLOCATE_ENGINE_KWARGS)
+    return {**trl_internals.COLOCATE_ENGINE_KWARGS, **cpu}
 
 
 def resolve_model(name: str) -> str:

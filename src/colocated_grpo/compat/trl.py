@@ -27,6 +27,19 @@ COLOCATE_ENGINE_KWARGS = {
 }
 
 
+def build_colocated_engines_with(**extra) -> None:
+    """TRL builds its colocated engine (`LLM(...)` in trl/generation/vllm_generation.py) with these arguments too."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    build = getattr(vllm_generation.LLM, "trl_original", vllm_generation.LLM)
+
+    def LLM(*args, **kwargs):  # stands in for the class TRL calls
+        return build(*args, **{**kwargs, **extra})
+
+    LLM.trl_original = build
+    vllm_generation.LLM = LLM
+
+
 def _wrap(obj, name: str, tracker, phase: str, after=None) -> None:
     original = getattr(obj, name)
 
@@ -65,11 +78,16 @@ def install_phase_hooks(trainer, tracker, tokens) -> None:
             _wrap(llm, "wake_up", tracker, "sleep_wake")
 
 
+def engine_config(trainer):
+    """The colocated engine's VllmConfig; None without an in-process engine (server placement, no vLLM)."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    return getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+
+
 def kv_cache_tokens(trainer) -> int | None:
     """Tokens the colocated engine's KV cache holds (blocks × block size), what its memory share buys; None without
-    an in-process engine (server placement, no vLLM) or before vLLM has sized its cache."""
-    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
-    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    an in-process engine or before vLLM has sized its cache."""
+    cache = getattr(engine_config(trainer), "cache_config", None)
     if cache is None or not cache.num_gpu_blocks:
         return None
     return int(cache.num_gpu_blocks) * int(cache.block_size)

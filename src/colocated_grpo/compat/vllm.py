@@ -15,6 +15,11 @@ errno: 17"). The name here holds the rendezvous port and the torchrun agent's pi
 launch. And since a run ends without vLLM's teardown (os._exit, or SIGKILL), each rank removes its segment's name
 as soon as every rank has mapped every segment: the memory stays mapped while the engine lives, and nothing is
 left in /dev/shm after it (a port reused by a later run found a stale segment and failed the same way).
+
+Third, `run_eagerly` (placement.cpu_eager): the CPU engine without torch.compile. vLLM would otherwise compile the
+model (inductor's C++) at every engine start, and two sampler helpers it wraps in torch.compile at import (the
+log-prob rank count and the random sample) at the first generate: about 24 s of a 40 s `python train.py`.
+
 CUDA builds of vLLM are untouched.
 """
 
@@ -31,6 +36,14 @@ log = logging.getLogger(__name__)
 # What the colocated engine need not build for TRL, which reads only token ids and sampled log-probs from its outputs:
 # the completion text (TRL decodes the ids itself) and one Python object per token for the log-probs.
 FAST_OUTPUTS = {"detokenize": False, "flat_logprobs": True}
+
+# LLM(...) arguments of an engine that runs eagerly (see `run_eagerly`).
+EAGER_ENGINE_KWARGS = {"enforce_eager": True}
+# Sampler helpers vLLM wraps in torch.compile at import, whatever the engine's own compilation settings.
+COMPILED_SAMPLER_HELPERS = (
+    ("vllm.v1.sample.sampler", "batched_count_greater_than"),
+    ("vllm.v1.sample.ops.topk_topp_sampler", "compiled_random_sample"),
+)
 
 
 def fast_output_kwargs() -> dict:
@@ -75,6 +88,19 @@ def prepare_cpu() -> None:
 
     shm.make_group_name = staticmethod(per_launch_name)
     shm._init_cpu_shm = create_join_and_unlink
+
+
+def run_eagerly() -> dict:
+    """Run vLLM's compiled sampler helpers as plain functions in this process; returns the LLM(...) arguments that
+    build an engine without torch.compile."""
+    import importlib
+
+    for module_name, name in COMPILED_SAMPLER_HELPERS:
+        module = importlib.import_module(module_name)
+        eager = getattr(getattr(module, name, None), "_torchdynamo_orig_callable", None)
+        if eager is not None:
+            setattr(module, name, eager)
+    return dict(EAGER_ENGINE_KWARGS)
 
 
 # Start-up memory failures, as vLLM words them (groups: the numbers it saw).

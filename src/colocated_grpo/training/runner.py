@@ -91,6 +91,8 @@ def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: prefl
             console.quiet_tied_weights_on_resume(trainer.model)
             # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
             record.note(distributed_type=trainer.accelerator.distributed_type.value)
+            if (engine := trl_internals.engine_config(trainer)) is not None:  # eager: without torch.compile
+                record.note(vllm_enforce_eager=bool(engine.model_config.enforce_eager))
             trainer.add_callback(wandb_rewind.RecordWandbStep())
             if cfg.run.stop_on_nonfinite:
                 trainer.add_callback(StopOnNonFinite())
@@ -236,6 +238,8 @@ def _prepare_environment(cfg: DictConfig) -> None:
         from colocated_grpo.compat import vllm as vllm_internals
 
         vllm_internals.prepare_cpu()
+        if cfg.placement.get("cpu_eager"):
+            trl_internals.build_colocated_engines_with(**vllm_internals.run_eagerly())
 
 
 def _close_process_group() -> None:
