@@ -44,7 +44,7 @@ def offline_config(tmp_path, monkeypatch):
 
 
 # A test that uses one of these starts real processes: train.py, a sweep, torchrun, vLLM.
-E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
+E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep", "moving_run", "tp2_run"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -114,13 +114,16 @@ def run_sweep(run_env, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def train(run_env, tmp_path_factory):
-    """train(*overrides, nproc=None) -> Run. nproc=None runs `python train.py`, else `torchrun --nproc_per_node`."""
+    """train(*overrides, nproc=None, env=None) -> Run. nproc=None runs `python train.py`, else `torchrun
+    --nproc_per_node`; env: variables added to the run's environment."""
 
-    def _train(*overrides: str, nproc: int | None = None, timeout: int = 900, check: bool = True) -> Run:
+    def _train(
+        *overrides: str, nproc: int | None = None, timeout: int = 900, check: bool = True, env: dict | None = None
+    ) -> Run:
         run_dir = tmp_path_factory.mktemp("run")
         args = [f"hydra.run.dir={run_dir}", *overrides]
         cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
-        env = dict(run_env)
+        env = {**run_env, **(env or {})}
         if nproc is None:  # a free rendezvous port instead of accelerate's/TRL's fixed 29500 (runs may overlap)
             env["MASTER_PORT"] = str(free_port())
         proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
@@ -130,6 +133,42 @@ def train(run_env, tmp_path_factory):
         return run
 
     return _train
+
+
+# Two runs serve every test that reads one (each is one engine start, and the tests that would start the same
+# command again compare with it instead): one process, and two ranks with TP 2. Both train a policy that moves every
+# step (every weight sync carries new weights), checkpoint at step 2 and log to W&B offline.
+MOVING = (
+    "trainer.learning_rate=0.02",
+    "trainer.max_steps=6",
+    "trainer.save_steps=2",
+    "reward=length",
+    "+reward.params.length.target=16",
+)
+TP2 = (
+    "parallelism.nproc_per_node=2",
+    "trainer.vllm_tensor_parallel_size=2",
+    "trainer.per_device_train_batch_size=2",
+    "trainer.learning_rate=0.02",
+    "trainer.max_steps=4",
+    "trainer.save_steps=2",
+    "+reward.modules=[token_recorder]",  # tests/plugins: every rank's sampled token ids, per step
+    "+reward.weights.records_token_ids=0.0",
+)
+
+
+@pytest.fixture(scope="session")
+def moving_run(train) -> Run:
+    return train(*MOVING)
+
+
+@pytest.fixture(scope="session")
+def tp2_run(train, tmp_path_factory) -> Run:
+    """Its sampled token ids are in run.tokens (tokens-rank<R>.jsonl)."""
+    tokens = tmp_path_factory.mktemp("tp2-tokens")
+    run = train(*TP2, nproc=2, env={"TOKEN_RECORD_DIR": str(tokens)})
+    run.tokens = tokens
+    return run
 
 
 def start_own_session(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:

@@ -37,17 +37,13 @@ PLOT_SWEEP = (
 )
 
 
+STEPS = [1, 2, 3, 4]
+
+
 @pytest.fixture(scope="module")
-def run_dir(train) -> Path:
-    """A 3-step run of 2 ranks (torchrun), whose phases.jsonl holds both ranks' phases."""
-    run = train(
-        "trainer.max_steps=3",
-        "trainer.per_device_train_batch_size=2",
-        "parallelism.nproc_per_node=2",
-        "logger=none",
-        nproc=2,
-    )
-    return run.dir
+def run_dir(tp2_run) -> Path:
+    """conftest's run of 2 ranks (torchrun, TP 2), whose phases.jsonl holds both ranks' phases of 4 steps."""
+    return tp2_run.dir
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +64,7 @@ def no_gpu() -> bool:
 
 def test_load_run_is_one_row_per_step_with_trl_and_telemetry_metrics(run_dir):
     metrics = analysis.load_run(run_dir)
-    assert list(metrics["train/global_step"]) == [1, 2, 3]
+    assert list(metrics["train/global_step"]) == STEPS
     expected = {
         "reward",
         "reward_std",
@@ -94,7 +90,7 @@ def test_load_run_is_one_row_per_step_with_trl_and_telemetry_metrics(run_dir):
 def test_phases_file_tiles_each_step_of_each_rank_as_the_metrics_say(run_dir):
     phases = analysis.load_phases(run_dir)
     assert list(phases.columns) == list(frames.PHASE_COLUMNS)
-    assert set(phases["rank"]) == {0, 1} and set(phases["train/global_step"]) == {1, 2, 3}
+    assert set(phases["rank"]) == {0, 1} and set(phases["train/global_step"]) == set(STEPS)
     assert set(phases["phase"]) <= set(PHASES) and {"generate", "train"} <= set(phases["phase"])
     metrics = analysis.load_run(run_dir).set_index("train/global_step")
     for _, own in phases.groupby(["train/global_step", "rank"]):
@@ -105,7 +101,7 @@ def test_phases_file_tiles_each_step_of_each_rank_as_the_metrics_say(run_dir):
     per_rank = phases.assign(d=phases["end"] - phases["start"])
     for phase in PHASES:
         mean = per_rank[per_rank["phase"] == phase].groupby(["train/global_step", "rank"])["d"].sum()
-        mean = mean.unstack(fill_value=0.0).reindex(index=[1, 2, 3], columns=[0, 1], fill_value=0.0).mean(axis=1)
+        mean = mean.unstack(fill_value=0.0).reindex(index=STEPS, columns=[0, 1], fill_value=0.0).mean(axis=1)
         np.testing.assert_allclose(mean, metrics[f"timing_s/{phase}"], rtol=1e-6, atol=1e-9)
     span = phases.groupby(["train/global_step", "rank"]).agg(start=("start", "min"), end=("end", "max"))
     np.testing.assert_allclose(
@@ -182,7 +178,7 @@ def test_training_curves_plot_the_logged_rewards_and_lengths_against_the_global_
     reward_ax, length_ax = plots.training_curves(metrics).axes
     lines = {line.get_label(): line for line in reward_ax.get_lines()}
     assert {"reward", "exact_answer", "boxed_format", "length"} <= set(lines)
-    np.testing.assert_allclose(lines["reward"].get_xdata(), [1, 2, 3])
+    np.testing.assert_allclose(lines["reward"].get_xdata(), STEPS)
     np.testing.assert_allclose(lines["reward"].get_ydata(), metrics["reward"])
     np.testing.assert_allclose(length_ax.get_lines()[0].get_ydata(), metrics["completions/mean_length"])
     assert length_ax.get_xlabel() == "train/global_step"

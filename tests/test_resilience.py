@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from conftest import run_environment
+from conftest import MOVING, TP2, run_environment
 from hydra import compose, initialize_config_dir
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
@@ -96,7 +96,8 @@ def record_types(segment: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # 1. SIGKILL mid-training, then resume by running the same command again
 
-KILLED = ("trainer.max_steps=12", "trainer.save_steps=3")
+KILLED = MOVING  # conftest's moving_run is the same command, uninterrupted
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -117,31 +118,17 @@ def killed_then_resumed(model_cache, tmp_path_factory):
     return SimpleNamespace(dir=run_dir, before=before, first=first, second=second)
 
 
-def test_a_resumed_run_samples_and_trains_exactly_as_the_uninterrupted_run(killed_then_resumed, model_cache, tmp_path):
+def test_a_resumed_run_samples_and_trains_exactly_as_the_uninterrupted_run(killed_then_resumed, moving_run):
     """Killed after its checkpoint and resumed, the run gives the same completions, losses and rewards at every step
     as the same command run without interruption. The checkpoint brings back model, optimizer, scheduler, data
     order and torch's RNG state, which the in-process engine's sampler draws from."""
-    r = killed_then_resumed
-    whole = Job(tmp_path / "run", model_cache, *KILLED, env=SECRETS)
-    assert whole.wait() == 0, whole.output[-6000:]
+    r, whole = killed_then_resumed, moving_run
     resumed, uninterrupted = read_jsonl(r.dir / "rollouts.jsonl"), read_jsonl(whole.dir / "rollouts.jsonl")
     assert [x["train/global_step"] for x in resumed] == [x["train/global_step"] for x in uninterrupted]
     assert [x["completions"] for x in resumed] == [x["completions"] for x in uninterrupted]
     keys = ("loss", "reward", "grad_norm", "sampling/sampling_logp_difference/mean")
     per_step = lambda run_dir: [{k: m[k] for k in keys} for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert per_step(r.dir) == per_step(whole.dir)
-
-
-TP2 = (
-    "trainer.max_steps=4",
-    "trainer.save_steps=2",
-    "parallelism.nproc_per_node=2",
-    "trainer.per_device_train_batch_size=2",
-    "trainer.vllm_tensor_parallel_size=2",
-    "logger=none",
-    "+reward.modules=[token_recorder]",  # tests/plugins: every rank's sampled token ids, per step
-    "+reward.weights.records_token_ids=0.0",
-)
 
 
 def _token_ids(record_dir: Path) -> dict[tuple[int, int], list]:
@@ -154,14 +141,11 @@ def _token_ids(record_dir: Path) -> dict[tuple[int, int], list]:
     return found
 
 
-def test_a_resumed_two_rank_tp2_run_samples_and_trains_exactly_as_the_uninterrupted_run(model_cache, tmp_path):
-    """The same as above for `torchrun --nproc_per_node=2 train.py trainer.vllm_tensor_parallel_size=2`: each rank
-    restores its own RNG state (rng_state_<rank>.pth), and the tensor-parallel engine samples the same tokens."""
-    runs = {}
-    for name in ("killed", "whole"):
-        (tmp_path / name).mkdir()
-        runs[name] = tmp_path / name / "run", {"TOKEN_RECORD_DIR": str(tmp_path / name)}
-    run_dir, env = runs["killed"]
+def test_a_resumed_two_rank_tp2_run_samples_and_trains_exactly_as_the_uninterrupted_run(model_cache, tmp_path, tp2_run):
+    """The same as above for `torchrun --nproc_per_node=2 train.py trainer.vllm_tensor_parallel_size=2` (conftest's
+    tp2_run is the same command, uninterrupted): each rank restores its own RNG state (rng_state_<rank>.pth), and
+    the tensor-parallel engine samples the same tokens."""
+    run_dir, env = tmp_path / "run", {"TOKEN_RECORD_DIR": str(tmp_path)}
     first = Job(run_dir, model_cache, *TP2, nproc=2, env=env)
     first.wait_until(lambda: checkpoints.latest(run_dir) is not None)  # checkpoint-2: steps 3 and 4 to go
     for p in [*psutil.Process(first.proc.pid).children(recursive=True), psutil.Process(first.proc.pid)]:
@@ -169,16 +153,15 @@ def test_a_resumed_two_rank_tp2_run_samples_and_trains_exactly_as_the_uninterrup
     first.wait()
     assert checkpoints.latest(run_dir).step == 2
     assert json.loads((run_dir / "run.json").read_text())["status"] == "running", "killed before it finished"
-    for name in ("killed", "whole"):
-        j = Job(*runs[name][:1], model_cache, *TP2, nproc=2, env=runs[name][1])
-        assert j.wait() == 0, j.output[-6000:]
+    again = Job(run_dir, model_cache, *TP2, nproc=2, env=env)
+    assert again.wait() == 0, again.output[-6000:]
     assert [m["train/global_step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
-    resumed, whole = (_token_ids(tmp_path / name) for name in ("killed", "whole"))
+    resumed, whole = _token_ids(tmp_path), _token_ids(tp2_run.tokens)
     assert sorted(resumed) == sorted(whole) == [(rank, step) for rank in (0, 1) for step in (1, 2, 3, 4)]
     assert resumed == whole, "every rank samples the same token ids at every step"
     keys = ("loss", "reward", "grad_norm", "sampling/sampling_logp_difference/mean")
     per_step = lambda d: [{k: m[k] for k in keys} for m in read_jsonl(d / "metrics.jsonl")]
-    assert per_step(run_dir) == per_step(runs["whole"][0])
+    assert per_step(run_dir) == per_step(tp2_run.dir)
 
 
 def test_sigkill_then_rerun_resumes_with_continuous_steps(killed_then_resumed):
@@ -189,13 +172,13 @@ def test_sigkill_then_rerun_resumes_with_continuous_steps(killed_then_resumed):
     # known noise, filtered at its source: tied embeddings reloaded, W&B's Weave advertisement, deprecated names
     for noise in ("missing keys in the checkpoint", "Weave", "gradient_checkpointing` is deprecated", "nanobind"):
         assert noise not in r.first.output + r.second.output, noise
-    assert r.second.steps() == list(range(1, 13)), "every step exactly once, in order"
-    assert r.second.steps("rollouts.jsonl") == list(range(1, 13)), "rollouts carry the step they are trained in"
-    final = json.loads((r.dir / "checkpoint-12" / "trainer_state.json").read_text())
-    assert final["global_step"] == 12 and final["max_steps"] == 12
+    assert r.second.steps() == list(range(1, STEPS + 1)), "every step exactly once, in order"
+    assert r.second.steps("rollouts.jsonl") == list(range(1, STEPS + 1)), "rollouts carry the step they're trained in"
+    final = json.loads((r.dir / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    assert final["global_step"] == STEPS and final["max_steps"] == STEPS
     # Continuing the trainer state, not starting over: the linear schedule goes on where the checkpoint left it.
     lr = {m["train/global_step"]: m["learning_rate"] for m in read_jsonl(r.dir / "metrics.jsonl")}
-    assert all(lr[s] == pytest.approx(1e-5 * (1 - (s - 1) / 12), rel=1e-6) for s in lr), lr
+    assert all(lr[s] == pytest.approx(0.02 * (1 - (s - 1) / STEPS), rel=1e-6) for s in lr), lr
     run = json.loads((r.dir / "run.json").read_text())
     assert run["status"] == "finished" and run["started"] == r.before.run["started"]
     assert [(a["from_step"], a["status"]) for a in run["attempts"]] == [(0, "died"), (k, "finished")]
@@ -212,7 +195,7 @@ def test_resumed_run_continues_the_same_wandb_run_without_repeating_steps(killed
     # The killed segment is cut back to its checkpoint; what W&B had not yet written to it when the process died
     # is logged again from metrics.jsonl at the start of the resumed segment.
     assert killed == list(range(1, len(killed) + 1)) and len(killed) <= k
-    assert killed + resumed == list(range(1, 13)), "every step once, in order, over the two segments"
+    assert killed + resumed == list(range(1, STEPS + 1)), "every step once, in order, over the two segments"
     assert "exit" in record_types(segments[1])
 
 
@@ -228,12 +211,13 @@ def test_no_secret_from_the_environment_is_written_anywhere(killed_then_resumed)
 def test_resume_refuses_a_changed_config_before_loading_anything(killed_then_resumed, job):
     r = killed_then_resumed
     before = (r.dir / "metrics.jsonl").read_bytes()
-    j = job("trainer.learning_rate=0.001", "trainer.max_steps=20", "trainer.save_steps=3", run_dir=r.dir, check=False)
+    same = [o for o in KILLED if not o.startswith(("trainer.learning_rate=", "trainer.max_steps="))]
+    j = job(*same, "trainer.learning_rate=0.001", "trainer.max_steps=20", run_dir=r.dir, check=False)
     assert j.proc.returncode != 0
     assert "was started with a different config" in j.output
-    assert "trainer.learning_rate: 1e-05 -> 0.001" in j.output
+    assert "trainer.learning_rate: 0.02 -> 0.001" in j.output
     assert "trainer.max_steps" not in j.output.split("different config")[1].split("To continue")[0], "may change"
-    assert "trainer.max_steps=12 trainer.save_steps=3" in j.output, "the message gives the original overrides"
+    assert " ".join(KILLED) in j.output, "the message gives the original overrides"
     assert "Loading weights" not in j.output and (r.dir / "metrics.jsonl").read_bytes() == before
 
 
