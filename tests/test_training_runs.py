@@ -109,13 +109,23 @@ def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):
     assert not (run.dir / "metrics.jsonl").exists()
 
 
-def test_fixed_completion_length_stops_early_eos_in_vllm(train, default_run):
-    """The tiny random model emits EOS early now and then (the default run, same seed, has short completions);
+@pytest.fixture(scope="module")
+def two_seeds(train):
+    """Seeds 0 and 1 over the same prompts in the same order (no shuffle, data seed 0), each completion run to
+    max_completion_length; seed 0 with 2 GiB of KV cache, seed 1 without telemetry (neither changes a token)."""
+    common = ("trainer.max_steps=2", "+trainer.shuffle_dataset=false", "data.seed=0", "logger=none")
+    common += ("run.fixed_completion_length=true",)
+    return train(*common, "seed=0", "run.cpu_kvcache_gb=2"), train(*common, "seed=1", "telemetry=off")
+
+
+def test_fixed_completion_length_stops_early_eos_in_vllm(two_seeds, default_run):
+    """The tiny random model emits EOS early now and then (the default run has short completions);
     run.fixed_completion_length makes vLLM generate exactly max_completion_length tokens every time."""
     assert min(m["completions/min_length"] for m in default_run.metrics()) < 32
-    run = train("run.fixed_completion_length=true", "logger=none", "run.cpu_kvcache_gb=2")
-    assert all(m["completions/min_length"] == m["completions/max_length"] == 32 for m in run.metrics())
+    for run in two_seeds:
+        assert all(m["completions/min_length"] == m["completions/max_length"] == 32 for m in run.metrics())
     # the logged KV-cache capacity follows the memory given to it (1 GiB in the default run, 2 here)
+    run = two_seeds[0]
     assert run.metrics()[0]["vllm/kv_cache_tokens"] == 2 * default_run.metrics()[0]["vllm/kv_cache_tokens"]
 
 
@@ -136,15 +146,14 @@ def _completions(run):
     return [c for r in run.rollouts() for c in r["completions"]], [p for r in run.rollouts() for p in r["prompts"]]
 
 
-def test_seed_changes_rollouts(train):
+def test_seed_changes_rollouts(two_seeds):
     """Same prompts in the same order for both seeds, so only the sampling RNG can make completions differ. (That the
     same seed reproduces them, process after process, is what every resume test compares: test_resilience.py.)"""
-    common = ("trainer.max_steps=2", "+trainer.shuffle_dataset=false", "data.seed=0", "logger=none", "telemetry=off")
-    first, other = train(*common, "seed=0"), train(*common, "seed=1")
+    first, other = two_seeds
     (c0, p0), (c1, p1) = _completions(first), _completions(other)
     assert p0 == p1
     assert c0 != c1, "a different seed must give different rollouts"
-    assert not any(k.startswith("timing_s/") for m in first.metrics() for k in m), "telemetry=off logs no timings"
+    assert not any(k.startswith("timing_s/") for m in other.metrics() for k in m), "telemetry=off logs no timings"
 
 
 def test_bad_config_fails_before_loading_anything_recorded_in_run_json_without_secrets(train):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -47,23 +48,34 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         redaction.scrub_files(run_dir / run_files.HYDRA)
     backends.single_process_rendezvous(cfg)  # ZeRO-3 in a plain `python train.py`: rank 0 of 1, as torchrun
     world = launched_world_size(cfg)
-    try:
+    with _refusals_recorded(run_dir, main):
         config.validate(cfg, world)
         _refuse_gpu_only_settings_without_gpu(cfg)
+    # a run directory that cannot be used as asked is refused before the data is built (its run.json is kept)
+    resume = checkpoints.plan(cfg, run_dir, main)
+    with _refusals_recorded(run_dir, main):
         # the dataset, each prompt's length and TRL's own rules, still before W&B starts and the model loads
         prepared = preflight.prepare(cfg, run_dir, report_to(cfg))
-    except Exception as err:  # refused by its config, or its data cannot be built: run.json says so either way
+    if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
+        run_dir_guard.claim(run_dir)
+    return _run(cfg, run_dir, main, world, prepared, resume)
+
+
+@contextmanager
+def _refusals_recorded(run_dir: Path, main: bool):
+    """Refused by its config, or its data cannot be built: run.json says so either way."""
+    try:
+        yield
+    except Exception as err:
         if main:
             attempts.record_refusal(run_dir, err, {"command": sys.argv, "overrides": hydra_internals.task_overrides()})
         _close_process_group()  # GRPOConfig may have started it
         raise
-    if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
-        run_dir_guard.claim(run_dir)
-    return _run(cfg, run_dir, main, world, prepared)
 
 
-def _run(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: preflight.Prepared) -> Path:
-    resume = checkpoints.plan(cfg, run_dir, main)
+def _run(
+    cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: preflight.Prepared, resume: checkpoints.Resume
+) -> Path:
     resume_command = attempts.resume_command(run_dir)
     _prepare_environment(cfg)
 
