@@ -3,8 +3,10 @@ the share of even token ids in its completions (tests/plugins/token_rewards.py),
 completion bears on, so GRPO moves it within a few steps: the reward of the last steps must clearly exceed that of
 the first.
 
-Measured before choosing the margins (8 steps, mean reward of steps 1-2 → steps 6-8): seed 0 0.47 → 1.00, seed 1
-0.49 → 0.84, seed 2 0.51 → 1.00, seed 3 0.53 → 0.98, seed 4 0.51 → 0.69; a random policy's share is about 0.5. The
+Measured before choosing the margins (8 steps, mean reward of steps 1-2 → steps 6-8), with vLLM's compiled engine:
+seed 0 0.47 → 1.00, seed 1 0.49 → 0.84, seed 2 0.51 → 1.00, seed 3 0.53 → 0.98, seed 4 0.51 → 0.69; with the eager
+CPU engine (placement.cpu_eager, the default, which draws its samples differently): seed 0 0.50 → 0.96, seed 1
+0.53 → 1.00, seed 2 0.49 → 1.00, seed 3 0.52 → 1.00, seed 4 0.49 → 1.00. A random policy's share is about 0.5. The
 test runs seed 0, which gave the same rewards in two runs."""
 
 from __future__ import annotations
