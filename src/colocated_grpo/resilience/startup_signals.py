@@ -1,15 +1,15 @@
 """SIGTERM during start-up, before the runner installs its own handler (resilience/preemption.py): Python's default
 would kill the process at once (exit -15, nothing said, nothing recorded). Until then SIGTERM unwinds like Ctrl-C
 does, so a run that recorded itself says `interrupted` and the process exits 143 (128 + SIGTERM). Standard library
-only: train.py installs it before anything heavy is imported."""
+only (console.py is too): train.py installs it before anything heavy is imported."""
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
 import sys
 from collections.abc import Callable
+
+from colocated_grpo.resilience import console
 
 
 class StoppedInStartup(KeyboardInterrupt):
@@ -30,5 +30,4 @@ def run(main: Callable[[], None]) -> None:
         main()
     except StoppedInStartup as stop:
         print(stop, file=sys.stderr, flush=True)
-        logging.shutdown()
-        os._exit(stop.code)  # without the interpreter's teardown, which prints triton's "nanobind: leaked …" lines
+        console.exit_now(stop.code)  # without the interpreter's teardown (triton's "nanobind: leaked …" lines)

@@ -164,10 +164,7 @@ def run_and_exit(cfg: DictConfig) -> None:
     then, and the interpreter's own teardown can still abort a finished run on native threads left by vLLM and the
     collectives ("terminate called without an active exception", exit -6), which a sweep would record as failed."""
     run(cfg)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    console.exit_now(0)
 
 
 def report_to(cfg: DictConfig) -> list[str]:
