@@ -6,14 +6,13 @@ as one message, anything else with its traceback."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from colocated_grpo.compat.hydra import in_process_multirun_launcher, output_dir
 from colocated_grpo.launch import server_placement
-from colocated_grpo.resilience import console
+from colocated_grpo.resilience import console, startup_signals
 from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.nonfinite import NonFiniteError
 from colocated_grpo.resilience.preemption import TrainingInterrupted, stop_with_torchrun_agent
@@ -68,8 +67,7 @@ def main(cfg: DictConfig) -> None:
             print("KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
         console.exit_now(130)
     except Exception as exc:
-        # torchrun's SIGTERM (another rank failed too) must not cut this report short, nor turn it into start-up's
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        startup_signals.over()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
         console.report_failure(
             exc, run_dir, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError)
         )

@@ -31,3 +31,10 @@ def run(main: Callable[[], None]) -> None:
     except StoppedInStartup as stop:
         print(stop, file=sys.stderr, flush=True)
         console.exit_now(stop.code)  # without the interpreter's teardown (triton's "nanobind: leaked …" lines)
+
+
+def over() -> None:
+    """The run is ending (its record, W&B and process group being closed, or its failure reported): from here on
+    SIGTERM, e.g. torchrun's when another rank failed, is ignored rather than taken for a stop in start-up, and
+    cannot cut the ending short. Ctrl-C still stops at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -21,6 +21,7 @@ from colocated_grpo.resilience import (
     redaction,
     run_dir_guard,
     startup_errors,
+    startup_signals,
     wandb_rewind,
 )
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
@@ -127,6 +128,7 @@ def _run(
         error = exc
         raise
     finally:
+        startup_signals.over()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
         wandb_logging.finish(wandb_run, exit_code)
         record.end(status, error)
         _close_process_group()
