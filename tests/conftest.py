@@ -44,7 +44,7 @@ def offline_config(tmp_path, monkeypatch):
 
 
 # A test that uses one of these starts real processes: train.py, a sweep, torchrun, vLLM.
-E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep", "moving_run", "tp2_run"}
+E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
 
 
 def pytest_collection_modifyitems(config, items):
