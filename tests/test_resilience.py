@@ -622,3 +622,63 @@ def test_trust_remote_code_is_off_in_every_experiment():
         cfg = _cfg(*([f"+experiment={experiment}"] if experiment else []), "trainer.bf16=false", "run.name=x")
         args = grpo_config(cfg, output_dir="unused", report_to=[])
         assert args.trust_remote_code is False and "trust_remote_code" not in args.model_init_kwargs
+
+
+def _checkpoint(run_dir: Path, step: int, *, marked: bool, state: bool = True) -> Path:
+    path = run_dir / f"checkpoint-{step}"
+    path.mkdir()
+    if state:
+        (path / checkpoints.TRAINER_STATE).write_text(json.dumps({"global_step": step}))
+    if marked:
+        (path / checkpoints.COMPLETE).write_text(json.dumps({"global_step": step, "ranks": 2}))
+    return path
+
+
+def test_a_checkpoint_is_complete_only_once_marked_and_a_cut_save_is_removed(tmp_path):
+    """Rank 0's trainer_state.json alone does not make a checkpoint complete: the other ranks may still be saving."""
+    (tmp_path / "run.json").write_text(json.dumps({"status": "died", checkpoints.MARKED: True}))
+    _checkpoint(tmp_path, 2, marked=True)
+    _checkpoint(tmp_path, 4, marked=False)  # rank 0 done, another rank's save cut short
+    assert checkpoints.latest(tmp_path).step == 2
+    assert checkpoints.remove_incomplete(tmp_path) == ["checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_a_run_from_before_the_mark_keeps_trainer_state_as_its_rule(tmp_path):
+    (tmp_path / "run.json").write_text(json.dumps({"status": "died"}))
+    _checkpoint(tmp_path, 2, marked=False)
+    _checkpoint(tmp_path, 4, marked=False, state=False)
+    assert checkpoints.latest(tmp_path).step == 2
+    assert checkpoints.remove_incomplete(tmp_path) == ["checkpoint-4"]
+
+
+def test_a_checkpoint_that_cannot_be_read_is_neither_resumed_from_nor_deleted(tmp_path):
+    """An I/O or permission error on the newest checkpoint refuses the resume (resuming from an older one would
+    silently drop steps) and deletes nothing. The error here is a real one: the mark is a directory (EISDIR)."""
+    (tmp_path / "run.json").write_text(json.dumps({"status": "died", checkpoints.MARKED: True}))
+    (tmp_path / "metrics.jsonl").write_text("")
+    _checkpoint(tmp_path, 2, marked=True)
+    (_checkpoint(tmp_path, 4, marked=False) / checkpoints.COMPLETE).mkdir()
+    assert checkpoints.latest(tmp_path).step == 2
+    assert checkpoints.remove_incomplete(tmp_path) == []
+    with pytest.raises(checkpoints.ResumeError) as refused:
+        checkpoints.plan(_cfg("trainer.max_steps=6"), tmp_path)
+    assert "cannot tell whether checkpoint-4 is complete (Is a directory:" in str(refused.value)
+    assert "move it out of the run directory to resume from checkpoint-2" in str(refused.value)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_run_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    from colocated_grpo import run_files
+
+    path = tmp_path / "run.json"
+    run_files.write_json(path, {"status": "running"})
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # the disk fills up as the new content is flushed
+    with pytest.raises(OSError):
+        run_files.write_json(path, {"status": "failed"})
+    assert json.loads(path.read_text()) == {"status": "running"}
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"], "no temp file left"

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import MOVING, TP2
 
+from colocated_grpo.resilience import checkpoints
+
 
 @pytest.fixture(scope="module")
 def default_run(train):
@@ -95,6 +97,12 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
     # both ranks' tokens reach rank 0's count (gathered every step)
     assert sum(m["perf/tokens"] for m in metrics) == metrics[-1]["num_tokens"]
     assert len(list(run.dir.glob("wandb/offline-run-*"))) == 1, "only rank 0 writes W&B"
+    # each checkpoint is marked complete once both ranks saved (save_total_limit keeps the newest two)
+    for checkpoint in run.dir.glob("checkpoint-*"):
+        mark = json.loads((checkpoint / checkpoints.COMPLETE).read_text())
+        assert mark == {"global_step": int(checkpoint.name.split("-")[1]), "ranks": 2}
+        assert (checkpoint / "rng_state_1.pth").exists()
+    assert [c.step for c in checkpoints.checkpoints(run.dir)] == [2, 4]
     # the CPU engine's tensor-parallel shared memory is named per launch and leaves nothing in /dev/shm
     port = next(a.split("=")[1] for a in run.proc.args if a.startswith("--master_port="))
     assert not list(Path("/dev/shm").glob(f"job{port}-*")), "a later run on this port would fail with errno 17"

@@ -58,11 +58,25 @@ class JsonlWriter:
         self._file.close()
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write atomically and durably: a temp file beside it, fsynced, renamed over it. A reader (or a resume after a
+    crash or power loss) sees the old file or the new one, never half of one; a failed write (a full disk) leaves
+    the old file and no temp file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json(path: Path, data: dict) -> None:
-    """Write atomically: a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=2, default=str))
 
 
 def read_json(path: str | Path) -> dict | None:

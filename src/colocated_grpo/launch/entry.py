@@ -14,6 +14,7 @@ from colocated_grpo.compat.hydra import in_process_multirun_launcher, output_dir
 from colocated_grpo.launch import server_placement
 from colocated_grpo.resilience import console, startup_signals
 from colocated_grpo.resilience.checkpoints import ResumeError
+from colocated_grpo.resilience.disk_full import DiskFull
 from colocated_grpo.resilience.nonfinite import NonFiniteError
 from colocated_grpo.resilience.preemption import TrainingInterrupted, stop_with_torchrun_agent
 from colocated_grpo.resilience.startup_errors import StartupMemoryError
@@ -28,6 +29,7 @@ from colocated_grpo.training.rewards import RewardError
 EXPLAINED = (
     ConfigError,
     DataError,
+    DiskFull,
     ResumeError,
     RewardError,
     NonFiniteError,

@@ -54,7 +54,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
     if cfg.trainer.get("trust_remote_code"):
         log.warning("trainer.trust_remote_code=true: code shipped with the model repository will run here")
     tree = redaction.redact(OmegaConf.to_container(cfg, resolve=True))
-    (run_dir / run_files.CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(tree)))
+    run_files.write_text(run_dir / run_files.CONFIG, OmegaConf.to_yaml(OmegaConf.create(tree)))
 
 
 class RunRecord:

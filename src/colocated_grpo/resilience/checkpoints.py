@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 
 RESUME_MODES = ("auto", "never")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-TRAINER_STATE = "trainer_state.json"  # written last by transformers' _save_checkpoint: its presence marks completion
+TRAINER_STATE = "trainer_state.json"  # rank 0's, written last by transformers' _save_checkpoint
+COMPLETE = "complete.json"  # written by MarkComplete once every rank has saved
+CHECKPOINT_GLOB = run_files.CHECKPOINT_PREFIX + "*"
+MARKED = "checkpoints_marked"  # run.json: this run's checkpoints are complete only once marked (a run from before
+# the mark keeps trainer_state.json as its rule for good, so that none of its checkpoints is taken for a cut save)
 
 # Keys that may change between the attempts of one run: how long it runs, how it checkpoints and logs, and
 # machine-local settings. Any other change would silently turn the resumed run into a different experiment.
@@ -66,17 +70,46 @@ class Checkpoint:
     step: int
 
 
+class Unreadable(NamedTuple):
+    """A checkpoint whose state could not be read (permissions, an I/O error, a network filesystem's hiccup): it is
+    neither resumed from nor deleted."""
+
+    path: Path
+    step: int  # from its name
+    error: OSError
+
+
 def _checkpoint_dirs(run_dir: Path):
-    """(directory, its completed step or None for a save cut short) of every checkpoint-N in the run directory."""
-    for path in Path(run_dir).glob("checkpoint-*"):
-        if path.is_dir() and _CHECKPOINT.match(path.name):
-            yield path, _completed_step(path)
+    """(directory, its state) of every checkpoint-N in the run directory: its completed step, None for a save cut
+    short, or Unreadable."""
+    legacy = not (read_json(Path(run_dir) / run_files.RUN) or {}).get(MARKED)  # a run from before the mark
+    for path in Path(run_dir).glob(CHECKPOINT_GLOB):
+        if _CHECKPOINT.match(path.name) and path.is_dir():
+            yield path, _state(path, legacy)
+
+
+def _state(path: Path, legacy: bool) -> int | Unreadable | None:
+    """The step a complete checkpoint holds; None when its save was cut short. Complete means the completion mark
+    is there (MarkComplete: every rank had saved); in a run from before the mark, rank 0's trainer_state.json."""
+    name = TRAINER_STATE if legacy else COMPLETE
+    try:
+        return int(json.loads((path / name).read_text())["global_step"])
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return Unreadable(path, int(_CHECKPOINT.match(path.name)[1]), err)
+    except (ValueError, KeyError, TypeError):
+        return None if legacy else Unreadable(path, int(_CHECKPOINT.match(path.name)[1]), OSError("malformed " + name))
 
 
 def checkpoints(run_dir: Path) -> list[Checkpoint]:
     """Complete checkpoints in the run directory, oldest first."""
-    found = [Checkpoint(path, step) for path, step in _checkpoint_dirs(run_dir) if step is not None]
+    found = [Checkpoint(path, step) for path, step in _checkpoint_dirs(run_dir) if isinstance(step, int)]
     return sorted(found, key=lambda c: c.step)
+
+
+def unreadable(run_dir: Path) -> list[Unreadable]:
+    return sorted((s for _, s in _checkpoint_dirs(run_dir) if isinstance(s, Unreadable)), key=lambda u: u.step)
 
 
 def latest(run_dir: Path) -> Checkpoint | None:
@@ -84,11 +117,22 @@ def latest(run_dir: Path) -> Checkpoint | None:
     return found[-1] if found else None
 
 
-def _completed_step(path: Path) -> int | None:
-    try:
-        return int(json.loads((path / TRAINER_STATE).read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+def mark_complete_callback():
+    """A trainer callback: once every rank has saved a checkpoint (on_save runs on each after its part is written),
+    rank 0 marks it complete. Unmarked, a resume ignores it: a save cut short on any rank is never resumed from.
+    (Built here so that importing this module stays free of transformers: the run-dir guard imports it at start.)"""
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    class MarkComplete(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
+            if state.is_world_process_zero:
+                path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
+                run_files.write_json(path / COMPLETE, {"global_step": state.global_step, "ranks": args.world_size})
+
+    return MarkComplete()
 
 
 @dataclass
@@ -147,6 +191,13 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
             "choose a new hydra.run.dir, or set run.resume=auto to continue that run"
         )
     checkpoint = latest(run_dir)
+    if newer := [u for u in unreadable(run_dir) if checkpoint is None or u.step > checkpoint.step]:
+        raise ResumeError(
+            f"{run_dir}: cannot tell whether {', '.join(u.path.name for u in newer)} is complete "
+            f"({newer[-1].error.strerror or newer[-1].error}: {newer[-1].error.filename or newer[-1].path}), so it "
+            "is neither resumed from nor deleted; make it readable and run again, or move it out of the run "
+            "directory to resume from " + (checkpoint.path.name if checkpoint else "the start")
+        )
     if checkpoint is None:
         if status == "finished":
             raise ResumeError(
@@ -209,16 +260,14 @@ def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
             total_lines = sum(1 for _ in f)  # torn lines included: read_jsonl skipped them
         if len(keep) == total_lines:
             continue
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
-        os.replace(tmp, path)
+        run_files.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
         dropped[path.name] = total_lines - len(keep)
     return dropped
 
 
 def remove_incomplete(run_dir: Path) -> list[str]:
-    """Checkpoint directories without trainer_state.json are saves cut short; they cannot be resumed from."""
+    """Remove saves known to be cut short (readable, and not marked complete); they cannot be resumed from, and
+    transformers' rotation would count them. A checkpoint whose state cannot be read is kept."""
     removed = []
     for path, step in _checkpoint_dirs(run_dir):
         if step is None:

@@ -11,6 +11,8 @@ import os
 import re
 from pathlib import Path
 
+from colocated_grpo.run_files import write_text
+
 REDACTED = "<redacted>"
 
 # A key is a credential when its last component is one of these or ends with one of them after "_".
@@ -70,4 +72,4 @@ def scrub_files(directory: Path, pattern: str = "*.yaml") -> None:
         text = path.read_text()
         clean = redact_text(text, secrets)
         if clean != text:
-            path.write_text(clean)
+            write_text(path, clean)

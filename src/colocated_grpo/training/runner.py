@@ -17,6 +17,7 @@ from colocated_grpo.resilience import (
     attempts,
     checkpoints,
     console,
+    disk_full,
     preemption,
     redaction,
     run_dir_guard,
@@ -87,6 +88,7 @@ def _run(
         "versions": provenance.package_versions(),
         "command": sys.argv,
         "overrides": hydra_internals.task_overrides(),
+        checkpoints.MARKED: resume.previous.get(checkpoints.MARKED, not resume.resuming),
     }
     record = attempts.RunRecord(run_dir, metadata, resume, write=main)
     if main:
@@ -107,6 +109,7 @@ def _run(
             if (engine := trl_internals.engine_config(trainer)) is not None:  # eager: without torch.compile
                 record.note(vllm_enforce_eager=bool(engine.model_config.enforce_eager))
             trainer.add_callback(wandb_rewind.RecordWandbStep())
+            trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
             if cfg.run.stop_on_nonfinite:
                 trainer.add_callback(StopOnNonFinite())
             trainer.add_callback(stopper)
@@ -125,7 +128,9 @@ def _run(
         status, exit_code = "interrupted", getattr(stop, "code", 130)
         raise
     except Exception as exc:
-        error = exc
+        error = _explain_disk_full(exc, run_dir, main) or exc
+        if error is not exc:
+            raise error from exc
         raise
     finally:
         startup_signals.over()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
@@ -258,6 +263,16 @@ def _close_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _explain_disk_full(exc: Exception, run_dir: Path, main: bool) -> disk_full.DiskFull | None:
+    """DiskFull for a run that ran out of space; rank 0 first removes the save it cut short, which frees the space
+    run.json needs to record the failure."""
+    last = checkpoints.latest(run_dir)
+    full = disk_full.explain(exc, run_dir, last.path.name if last else "the start")
+    if full is not None and main:
+        checkpoints.remove_incomplete(run_dir)
+    return full
 
 
 def _start_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):

@@ -1,0 +1,56 @@
+"""A run that fails because its disk is full: said in one line, with the directory and the space left.
+
+A full disk shows up in many forms: an OSError with errno ENOSPC (or EDQUOT, a quota) from a write, or a
+RuntimeError from torch's checkpoint writer ("unexpected pos …"), usually chained with more of the same while the
+run unwinds. The runner turns any of them into DiskFull, removes the checkpoint whose save was cut short (it was
+never marked complete, and its space is what lets run.json record the failure), and the run can be resumed with the
+same command once there is room.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+NEARLY_FULL_BYTES = 64 * 2**20  # a writer that failed with less than this left is taken to have run out of space
+
+
+class DiskFull(RuntimeError):
+    """The run directory's disk (or quota) is full; the message names it, the space left and what to do."""
+
+
+def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | None:
+    """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None."""
+    chain = list(_chain(exc))
+    by_errno = next((e for e in chain if isinstance(e, OSError) and e.errno in FULL_ERRNOS), None)
+    usage = _usage(run_dir)
+    if by_errno is None and (usage is None or usage.free >= NEARLY_FULL_BYTES):
+        return None
+    space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB" if usage else "free space unknown"
+    first = chain[-1]  # the first error raised: what was being written when the space ran out
+    return DiskFull(
+        f"no space left on the disk of the run directory {run_dir} ({space}; {type(first).__name__}: "
+        f"{_one_line(first)}). Free some space, then run the same command again to resume from {resume_from}",
+    )
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _usage(run_dir: Path):
+    try:
+        return shutil.disk_usage(run_dir)
+    except OSError:
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 160 else text[:157] + "..."
