@@ -682,3 +682,48 @@ def test_run_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
         run_files.write_json(path, {"status": "failed"})
     assert json.loads(path.read_text()) == {"status": "running"}
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"], "no temp file left"
+
+
+def test_a_late_repeated_sigterm_stops_at_once_saying_so_not_as_a_stop_in_start_up(monkeypatch):
+    """Start-up's handler is not what a repeat meets: the stop names the step it cut and its exit status is 143."""
+    from colocated_grpo.resilience import startup_signals
+
+    previous = signal.signal(signal.SIGTERM, startup_signals._raise)
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    stopper = preemption.StopOnSignal()
+    try:
+        with stopper.installed():
+            stopper.on_step_end(args, TrainerState(global_step=4), TrainerControl())
+            signal.raise_signal(signal.SIGTERM)
+            monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.0)
+            with pytest.raises(preemption.StoppedAtOnce) as stopped:
+                signal.raise_signal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 143
+    assert str(stopped.value).startswith("SIGTERM received again: stopped at once in step 5, without a checkpoint")
+
+
+ENDING = """
+import os, signal, sys, time
+from colocated_grpo.resilience import startup_signals
+startup_signals.ENDING_GRACE_S = {grace}
+startup_signals.over()
+os.kill(os.getpid(), signal.SIGTERM)  # torchrun's, say, while the run writes its record
+print("ending", flush=True)
+time.sleep({ending_s})  # wandb.finish or destroy_process_group: quick, or hung
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(("ending_s", "code"), [(0.5, 0), (60, 143)], ids=["quick", "hung"])
+def test_sigterm_while_a_run_ends_lets_a_quick_ending_finish_and_stops_a_hung_one(ending_s, code):
+    start = time.monotonic()
+    script = ENDING.format(grace=2.0, ending_s=ending_s)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    took = time.monotonic() - start
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "ending" in proc.stdout
+    if code:
+        assert took < 20, "stopped once the grace ran out, not after the hung call"
+        assert "SIGTERM: the run's ending (run files, W&B, process group) took over 2 s; stopped" in proc.stderr

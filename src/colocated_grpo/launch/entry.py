@@ -18,7 +18,6 @@ from colocated_grpo.resilience.disk_full import DiskFull
 from colocated_grpo.resilience.nonfinite import NonFiniteError
 from colocated_grpo.resilience.preemption import TrainingInterrupted, stop_with_torchrun_agent
 from colocated_grpo.resilience.startup_errors import StartupMemoryError
-from colocated_grpo.resilience.startup_signals import StoppedInStartup
 from colocated_grpo.training import runner
 from colocated_grpo.training.config import ConfigError
 from colocated_grpo.training.data import DataError
@@ -60,14 +59,10 @@ def main(cfg: DictConfig) -> None:
             runner.run_and_exit(cfg)
     except TrainingInterrupted as stopped:  # already said, with the command that resumes it
         console.exit_now(stopped.code)
-    except StoppedInStartup as stop:
+    except KeyboardInterrupt as stop:  # SIGTERM in start-up, a signal repeated in training, a second Ctrl-C
         if runner.is_main_process():
-            print(stop, flush=True)
-        console.exit_now(stop.code)
-    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
-        if runner.is_main_process():
-            print("KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
-        console.exit_now(130)
+            print(str(stop) or "KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
+        console.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         startup_signals.over()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
         console.report_failure(

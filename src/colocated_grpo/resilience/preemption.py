@@ -34,11 +34,21 @@ class TrainingInterrupted(SystemExit):
         return self.message
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A signal repeated after the window: training stops where it is, without a checkpoint; `code` is the exit
+    status and str() says so."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
 class StopOnSignal(TrainerCallback):
     def __init__(self):
         self.signum: int | None = None  # the signal this process received, or that another rank reported
         self.stopped_at: int | None = None  # the step after which training stopped for it
         self._first_at = 0.0
+        self._steps_done = 0
         self._previous: dict[int, object] = {}
 
     @contextmanager
@@ -69,11 +79,15 @@ class StopOnSignal(TrainerCallback):
             return
         if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
             return
-        log.warning("%s received again: stopping now, without a checkpoint", name)
         self._restore()
-        signal.raise_signal(signum)
+        raise StoppedAtOnce(
+            signum,
+            f"{name} received again: stopped at once in step {self._steps_done + 1}, without a checkpoint of it; "
+            "the same command resumes from the latest checkpoint",
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._steps_done = state.global_step
         signum = _max_over_ranks(self.signum or 0, args)
         if signum:
             self.signum = self.signum or signum

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 from colocated_grpo.resilience import console
@@ -33,8 +35,36 @@ def run(main: Callable[[], None]) -> None:
         console.exit_now(stop.code)  # without the interpreter's teardown (triton's "nanobind: leaked …" lines)
 
 
+ENDING_GRACE_S = 10.0  # how long a run's ending may take before a SIGTERM received in it is honoured
+_ending_since: float | None = None
+
+
 def over() -> None:
     """The run is ending (its record, W&B and process group being closed, or its failure reported): from here on
-    SIGTERM, e.g. torchrun's when another rank failed, is ignored rather than taken for a stop in start-up, and
-    cannot cut the ending short. Ctrl-C still stops at once."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    a SIGTERM, e.g. torchrun's when another rank failed, is not taken for a stop in start-up and does not cut the
+    ending short; but an ending that hangs (wandb.finish, destroy_process_group) is stopped ENDING_GRACE_S after it
+    began, exit 143, once a SIGTERM came. Ctrl-C still stops at once."""
+    global _ending_since
+    if _ending_since is None:
+        _ending_since = time.monotonic()
+    signal.signal(signal.SIGTERM, _during_ending)
+
+
+def _during_ending(signum, frame) -> None:
+    left = ENDING_GRACE_S - (time.monotonic() - _ending_since)
+    if left <= 0:
+        _stop_ending()
+    else:  # the process normally ends first, and the timer with it
+        timer = threading.Timer(left, _stop_ending)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one timer is enough
+
+
+def _stop_ending() -> None:
+    print(
+        f"SIGTERM: the run's ending (run files, W&B, process group) took over {ENDING_GRACE_S:.0f} s; stopped",
+        file=sys.stderr,
+        flush=True,
+    )
+    console.exit_now(128 + signal.SIGTERM)
