@@ -140,6 +140,25 @@ def test_preflight_refuses_long_prompts_naming_keys_and_derives_the_engine_lengt
     assert prepared.args.vllm_max_model_length == 72 and prepared.dataset[0]["prompt"].endswith("TL;DR:")
 
 
+def test_too_few_rows_for_one_batch_are_refused_before_loading_with_both_numbers(tldr_dir, tmp_path):
+    """TRL drops an incomplete generation batch: 3 rows for a step of 4 distinct prompts would train nothing."""
+    three = write_jsonl(tmp_path / "three.jsonl", [{"prompt": f"question {i}"} for i in range(3)])
+    base = ("data=local", f"data.files={three}", "data.answer_column=null", "reward=length_chars", "logger=none")
+    cfg = compose_tiny(*base, "trainer.per_device_train_batch_size=16", "trainer.num_generations=4")
+    with pytest.raises(ConfigError) as refused:
+        preflight.prepare(cfg, tmp_path, [])
+    assert refused.value.problems == [
+        "data: the dataset holds 3 prompt(s), but one step needs 4 distinct prompts "
+        "(trainer.per_device_train_batch_size=16 x 1 process(es) x steps_per_generation 1 / "
+        "trainer.num_generations=4), so no step would train; use a dataset of at least 4 rows or "
+        "trainer.per_device_train_batch_size=12 or less"
+    ]
+    synthetic = compose_tiny("data.num_samples=2", "trainer.per_device_train_batch_size=16", "logger=none")
+    with pytest.raises(ConfigError, match=r"holds 2 prompt\(s\).*; use data.num_samples=\d+ or more"):
+        preflight.prepare(synthetic, tmp_path, [])
+    assert len(preflight.prepare(compose_tiny(*base, "trainer.per_device_train_batch_size=12"), tmp_path, []).dataset)
+
+
 # The blog's experiment, shrunk to the tiny model and a local tldr-like file: the same config path end to end.
 
 TLDR_ON_TINY = (

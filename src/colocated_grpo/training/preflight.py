@@ -35,6 +35,8 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
         args = config.grpo_config(cfg, output_dir=str(run_dir), report_to=report_to, derived=derived)
     except config.ConfigError as err:
         problems += err.problems
+    if dataset is not None and not problems:
+        problems += _too_few_prompts(cfg, len(dataset), args)
     if problems:
         raise config.ConfigError(problems)
     prompts = {**report.as_dict(), **({"derived": derived} if derived else {})} if report else None
@@ -71,3 +73,26 @@ def _fit_prompts(cfg: DictConfig, dataset, derived: dict):
         longest = min(report.longest_tokens, limit) if limit is not None else report.longest_tokens
         derived["vllm_max_model_length"] = min(longest + completion, context or longest + completion)
     return dataset, report, problems
+
+
+def _too_few_prompts(cfg: DictConfig, rows: int, args) -> list[str]:
+    """TRL's sampler draws each generation batch's distinct prompts from the dataset and drops an incomplete batch:
+    fewer rows than one batch trains no step at all."""
+    needed = args.generation_batch_size // args.num_generations
+    if rows >= needed:
+        return []
+    processes = args.world_size
+    fixes = [f"a dataset of at least {needed} rows"]
+    if cfg.data.get("num_samples") is not None and cfg.data.source == "arithmetic":
+        fixes = [f"data.num_samples={needed} or more"]
+    elif cfg.data.get("num_samples") is not None:
+        fixes.append("data.num_samples=null (every row)")
+    largest = rows * args.num_generations // (processes * args.steps_per_generation)
+    if largest >= 1:
+        fixes.append(f"trainer.per_device_train_batch_size={largest} or less")
+    return [
+        f"data: the dataset holds {rows} prompt(s), but one step needs {needed} distinct prompts "
+        f"(trainer.per_device_train_batch_size={args.per_device_train_batch_size} x {processes} process(es) x "
+        f"steps_per_generation {args.steps_per_generation} / trainer.num_generations={args.num_generations}), so "
+        f"no step would train; use {' or '.join(fixes)}"
+    ]

@@ -121,7 +121,7 @@ def _run(
             raise NothingTrained(
                 "training ended without training a step: the dataset holds fewer prompts than one generation batch "
                 "(trainer.per_device_train_batch_size × processes × steps_per_generation / trainer.num_generations); "
-                "use more data (data.num_samples) or a smaller batch"
+                "use more rows (data.num_samples for the synthetic data) or a smaller batch"
             )
         status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (resilience/startup_signals.py)
