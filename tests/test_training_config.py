@@ -152,6 +152,18 @@ def test_fast_outputs_reach_the_colocated_engines_sampling_params(placement):
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"detokenize": True, "flat_logprobs": True}
 
 
+def test_stop_strings_keep_the_text_detokenized_and_their_escapes_are_read():
+    """vLLM matches stop strings on the text (detokenize=False refuses them at the first generate); Hydra hands
+    `"\n\n"` on as backslash-n, which no completion would contain."""
+    cfg = compose_train(*SMOKE, 'trainer.generation_kwargs={stop:["\\n\\n"]}')
+    assert grpo_config(cfg, "unused", []).generation_kwargs == {"flat_logprobs": True, "stop": ["\n\n"]}
+    cfg = compose_train(*SMOKE, "placement.fast_outputs=false", '+trainer.generation_kwargs.stop=".\\t"')
+    assert grpo_config(cfg, "unused", []).generation_kwargs == {"stop": [".\t"]}
+    cfg = compose_train(*SMOKE, 'trainer.generation_kwargs={stop:["x"],detokenize:false}')
+    with pytest.raises(ConfigError, match=r"stop strings need detokenize=true"):
+        grpo_config(cfg, "unused", [])
+
+
 @pytest.mark.parametrize("placement", ["none", "server"])
 def test_fast_outputs_leave_other_placements_alone(placement):
     cfg = compose_train(*SMOKE, f"vllm={placement}", "+placement.fast_outputs=true")

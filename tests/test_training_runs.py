@@ -209,3 +209,14 @@ def test_fast_outputs_and_sync_change_no_token_log_prob_or_loss(train, moving_ru
     assert "fast_outputs: false" in (plain.dir / "config.yaml").read_text()
     assert "weight sync: one_call" in fast.output and "weight sync: one_call" not in plain.output
     _assert_same_rollouts_and_training(fast, plain)
+
+
+def test_a_stop_string_ends_completions_with_the_fast_outputs_on(train):
+    """The colocated engine with placement.fast_outputs keeps the text detokenized when stop strings are asked for:
+    every completion ends with the token holding its first space after the start (unstopped, the tiny model's
+    completions hold many), and nothing crashes."""
+    run = train('trainer.generation_kwargs={stop:[" "]}', "trainer.max_steps=1", "logger=none")
+    completions = [c for r in run.rollouts() for c in r["completions"]]
+    assert completions and all(c[1:].count(" ") <= 1 for c in completions), completions[:4]
+    assert any(" " in c[1:] for c in completions), "the stop string was met"
+    assert "placement.fast_outputs keeps the text detokenized" in run.output

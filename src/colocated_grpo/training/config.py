@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.resilience.checkpoints import RESUME_MODES
 from colocated_grpo.training import adapters, data, field_types, models, rewards
 from colocated_grpo.training.models import SHAPES, attention_heads
+
+log = logging.getLogger(__name__)
 
 # Our keys that are not GRPOConfig fields; everything under `trainer` goes to GRPOConfig unchanged.
 RUNNER_OWNED = ("output_dir", "report_to", "seed", "reward_weights", "run_name")
@@ -390,12 +393,22 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
     ours = {}
     if cfg.run.fixed_completion_length:
         ours.update(fixed_length_kwargs(kwargs))
+    users = kwargs.get("generation_kwargs") or {}
+    if stops := _stop_strings(users):
+        users["stop"] = stops
     if kwargs.get("use_vllm") and kwargs.get("vllm_mode") == "colocate" and cfg.placement.get("fast_outputs"):
         from colocated_grpo.compat.vllm import fast_output_kwargs
 
         ours.update(fast_output_kwargs())
-    if ours:
-        kwargs["generation_kwargs"] = {**ours, **(kwargs.get("generation_kwargs") or {})}
+        if stops and users.get("detokenize", ours.get("detokenize")) is False:
+            if "detokenize" in users:
+                raise ConfigError(
+                    ["trainer.generation_kwargs: stop strings need detokenize=true (vLLM matches them on the text)"]
+                )
+            del ours["detokenize"]  # vLLM matches stop strings on the text; flat log-probs stay
+            log.info("placement.fast_outputs keeps the text detokenized: trainer.generation_kwargs.stop needs it")
+    if ours or users:
+        kwargs["generation_kwargs"] = {**ours, **users}
     ours = {
         "output_dir": output_dir,
         "report_to": report_to,
@@ -409,6 +422,25 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         raise ConfigError(
             [f"trainer: trl.GRPOConfig refuses these settings: {exc} (field names are trainer.* keys)"]
         ) from exc
+
+
+ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r"}
+
+
+def _stop_strings(generation_kwargs: dict) -> list[str]:
+    """The stop strings asked for, with the escapes `\\n`, `\\t`, `\\r` read as the characters they name: Hydra
+    passes `stop:["\\n\\n"]` on as a backslash and an n, which no completion would ever contain."""
+    stop = generation_kwargs.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    decoded = []
+    for text in stops:
+        new = str(text)
+        for escape, char in ESCAPES.items():
+            new = new.replace(escape, char)
+        if new != text:
+            log.info("trainer.generation_kwargs.stop: %r read as %r", text, new)
+        decoded.append(new)
+    return decoded
 
 
 def fixed_length_kwargs(trainer: dict) -> dict:
