@@ -211,9 +211,11 @@ def test_no_secret_from_the_environment_is_written_anywhere(killed_then_resumed)
 def test_resume_refuses_a_changed_config_before_loading_anything(killed_then_resumed, job):
     r = killed_then_resumed
     before = (r.dir / "metrics.jsonl").read_bytes()
+    hydra_record = {p.name: p.read_bytes() for p in (r.dir / ".hydra").iterdir()}
     same = [o for o in KILLED if not o.startswith(("trainer.learning_rate=", "trainer.max_steps="))]
     j = job(*same, "trainer.learning_rate=0.001", "trainer.max_steps=20", run_dir=r.dir, check=False)
     assert j.proc.returncode != 0
+    assert {p.name: p.read_bytes() for p in (r.dir / ".hydra").iterdir()} == hydra_record, "the finished run's record"
     assert "was started with a different config" in j.output
     assert "trainer.learning_rate: 0.02 -> 0.001" in j.output
     assert "trainer.max_steps" not in j.output.split("different config")[1].split("To continue")[0], "may change"

@@ -127,7 +127,8 @@ CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError")
 MEMORY_ERRORS = (GPU_FREE, CPU_FREE, CPU_KV, NO_CACHE, KV_TOO_SMALL, CUDA_OOM)
 
 
-def _chain(exc: BaseException):
+def exception_chain(exc: BaseException):
+    """`exc`, then what it was raised from or during, and so on (vLLM's start-up wraps its errors in others)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -137,7 +138,7 @@ def _chain(exc: BaseException):
 
 def memory_failure(exc: BaseException) -> str | None:
     """`Type: message` of the first exception in the chain that is a start-up memory failure."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         text = f"{type(e).__name__}: {e}"
         if any(p.search(text) for p in MEMORY_ERRORS):
             return text

@@ -13,6 +13,8 @@ import errno
 import shutil
 from pathlib import Path
 
+from colocated_grpo.compat.vllm import exception_chain
+
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NEARLY_FULL_BYTES = 64 * 2**20  # a writer that failed with less than this left is taken to have run out of space
 
@@ -23,7 +25,7 @@ class DiskFull(RuntimeError):
 
 def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | None:
     """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None."""
-    chain = list(_chain(exc))
+    chain = list(exception_chain(exc))
     by_errno = next((e for e in chain if isinstance(e, OSError) and e.errno in FULL_ERRNOS), None)
     usage = _usage(run_dir)
     if by_errno is None and (usage is None or usage.free >= NEARLY_FULL_BYTES):
@@ -34,14 +36,6 @@ def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | N
         f"no space left on the disk of the run directory {run_dir} ({space}; {type(first).__name__}: "
         f"{_one_line(first)}). Free some space, then run the same command again to resume from {resume_from}",
     )
-
-
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
 
 
 def _usage(run_dir: Path):

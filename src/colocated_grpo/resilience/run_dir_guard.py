@@ -23,12 +23,14 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from colocated_grpo import run_files
 from colocated_grpo.resilience import checkpoints
 
 HELD_ENV = "COLOCATED_GRPO_RUN_DIR_HELD"  # the run directory a parent process holds for its children
 OTHER_RANKS_WAIT_S = 30  # a refused launch's other ranks leave the message to rank 0, which torchrun then reports
 
 _held: dict[Path, object] = {}  # run directory -> its lock, for the life of this process
+_records: dict[Path, dict[str, str]] = {}  # run directory -> the Hydra record of the run it held before this launch
 
 
 class RunDirRefused(SystemExit):
@@ -54,6 +56,8 @@ class RunDirGuard(Callback):
         if not main:
             with read_write(config.hydra):
                 config.hydra.output_subdir = None
+        else:
+            keep_record(run_dir)
 
 
 def check_writable(run_dir: Path, claim_it: bool = True) -> None:
@@ -83,6 +87,20 @@ def describe(err: OSError, run_dir: Path) -> str:
             break
     where = err.filename or run_dir
     return f"{reason}: {where}"
+
+
+def keep_record(run_dir: Path) -> None:
+    """Remember the Hydra record of the run the directory already holds, before Hydra overwrites it with this
+    launch's, so that a launch refused before it starts (a changed config, `run.resume=never`) can put it back."""
+    hydra_dir = Path(run_dir) / run_files.HYDRA
+    if (Path(run_dir) / run_files.RUN).exists() and hydra_dir.is_dir():
+        _records[Path(run_dir).resolve()] = {p.name: p.read_text() for p in hydra_dir.glob("*.yaml")}
+
+
+def restore_record(run_dir: Path) -> None:
+    """Put back the record keep_record remembered (nothing when the directory held no run)."""
+    for name, text in _records.pop(Path(run_dir).resolve(), {}).items():
+        run_files.write_text(Path(run_dir) / run_files.HYDRA / name, text)
 
 
 def claim(run_dir: Path) -> None:

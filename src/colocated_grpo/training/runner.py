@@ -53,8 +53,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     with _refusals_recorded(run_dir, main):
         config.validate(cfg, world)
         _refuse_gpu_only_settings_without_gpu(cfg)
-    # a run directory that cannot be used as asked is refused before the data is built (its run.json is kept)
-    resume = checkpoints.plan(cfg, run_dir, main)
+    with _refusals_recorded(run_dir, main):  # refused before the data is built (its run.json is kept)
+        resume = checkpoints.plan(cfg, run_dir, main)
     with _refusals_recorded(run_dir, main):
         # the dataset, each prompt's length and TRL's own rules, still before W&B starts and the model loads
         prepared = preflight.prepare(cfg, run_dir, report_to(cfg))
@@ -65,12 +65,14 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
 
 @contextmanager
 def _refusals_recorded(run_dir: Path, main: bool):
-    """Refused by its config, or its data cannot be built: run.json says so either way."""
+    """Refused by its config or its run directory, or its data cannot be built: run.json says so either way, and
+    the Hydra record of a run the directory already held is put back."""
     try:
         yield
     except Exception as err:
         if main:
             attempts.record_refusal(run_dir, err, {"command": sys.argv, "overrides": hydra_internals.task_overrides()})
+            run_dir_guard.restore_record(run_dir)
         _close_process_group()  # GRPOConfig may have started it
         raise
 
