@@ -184,6 +184,21 @@ def test_sigkill_then_rerun_resumes_with_continuous_steps(killed_then_resumed):
     assert [(a["from_step"], a["status"]) for a in run["attempts"]] == [(0, "died"), (k, "finished")]
 
 
+def test_a_resumed_runs_summary_leaves_out_each_attempts_warm_up_and_names_the_attempt(killed_then_resumed):
+    """The resumed attempt's first step starts a fresh engine: a warm-up, like step 1, left out of the means."""
+    r = killed_then_resumed
+    k = r.before.checkpoint.step
+    summary = json.loads((r.dir / "summary.json").read_text())
+    steady = [
+        m["timing_s/step"] for m in read_jsonl(r.dir / "metrics.jsonl") if m["train/global_step"] not in (1, k + 1)
+    ]
+    assert (summary["steady_state/steps"], summary["steady_state/attempts"]) == (STEPS - 2, 2)
+    assert summary["timing_s/step"] == pytest.approx(sum(steady) / len(steady))
+    (finished,) = [line for line in r.second.output.splitlines() if "run finished:" in line]
+    assert finished.endswith(f"run finished: {r.dir} (attempt 2: steps {k + 1}-{STEPS})")
+    assert f"(mean of {STEPS - 2} steps of 2 attempts, after each one's warm-up)" in r.second.output
+
+
 def test_resumed_run_continues_the_same_wandb_run_without_repeating_steps(killed_then_resumed):
     r = killed_then_resumed
     run_id = r.before.run["wandb_id"]

@@ -210,6 +210,18 @@ def test_steady_state_excludes_warmup_and_keeps_final_reward():
     assert steady_state(records[:1], warmup_steps=5)["timing_s/step"] == 30.0  # too short: all steps
 
 
+def test_steady_state_of_a_resumed_run_leaves_out_each_attempts_warm_up():
+    """Resumed from step 3: step 4 starts a fresh engine, a warm-up like step 1."""
+    records = [{"train/global_step": n, "timing_s/step": t} for n, t in enumerate([30.0, 2.0, 4.0, 20.0, 6.0], 1)]
+    s = steady_state(records, warmup_steps=1, starts=(0, 3))
+    assert s["timing_s/step"] == 4.0 and s["steady_state/steps"] == 3 and s["steady_state/attempts"] == 2
+    one = steady_state(records, warmup_steps=1)
+    assert one["steady_state/steps"] == 4 and one["steady_state/attempts"] == 1
+    # too short to leave out a warm-up: every step, of both attempts
+    s = steady_state([records[0], records[3]], warmup_steps=1, starts=(0, 3))
+    assert s["timing_s/step"] == 25.0 and s["steady_state/steps"] == 2 and s["steady_state/attempts"] == 2
+
+
 def test_empty_step_has_nan_not_crash():
     m = step_metrics([RankReport(0, StepPhases(0.0, 0.0), [], 0, 0)])
     assert m["timing_s/step"] == 0 and "perf/tokens_per_s" not in m
