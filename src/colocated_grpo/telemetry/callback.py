@@ -106,7 +106,8 @@ class TelemetryCallback(TrainerCallback):
         import torch
 
         rank = self.trainer.accelerator.process_index
-        if self.cuda and nvml.nvml_available():
+        why_not = nvml.unavailable() if self.cuda else "torch sees no CUDA device"
+        if why_not is None:
             device = torch.cuda.current_device()
             gpus = {str(rank): nvml.cuda_device_uuid(device)}
             if state.is_world_process_zero:  # a vLLM server's GPUs (server placement) are sampled by rank 0
@@ -117,9 +118,7 @@ class TelemetryCallback(TrainerCallback):
                 name = torch.cuda.get_device_name(device)
                 self.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
         elif state.is_world_process_zero:
-            log.warning(
-                "NVML is not available (no NVIDIA GPU): logging phase timings and throughput without GPU metrics"
-            )
+            log.warning("no GPU metrics: %s; logging phase timings and throughput only", why_not)
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
         self.constants = {"model/params": float(self.n_params)}
         kv_tokens = trl_internals.kv_cache_tokens(self.trainer)
