@@ -14,7 +14,7 @@ import sys
 
 PROG = "colocated-grpo"
 
-# command: (module whose main(argv) runs it, arguments put first, what it does)
+# command: (module whose main(argv, prog) runs it, arguments put first, what it does)
 COMMANDS = {
     "summary": (
         "colocated_grpo.analysis.__main__",
