@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -81,16 +83,49 @@ def cli(*args, cwd=REPO, env=None):
 
 def test_cli_lists_its_commands_and_runs_each_tools_own_main(tmp_path):
     proc = cli("--help")
-    assert proc.returncode == 0
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: colocated-grpo ")
     for command in ("summary", "render", "notebook", "study", "bench-generate", "bench-telemetry"):
         assert f"  {command} " in proc.stdout
-    for command in (["study", "--help"], ["bench-generate", "--help"], ["notebook", "--help"], ["render", "--help"]):
-        assert cli(*command).returncode == 0, command
-    unknown = cli("trian")
-    assert unknown.returncode == 1 and "unknown command 'trian'" in unknown.stderr
+    for command in ("summary", "render", "notebook", "study", "bench-generate", "bench-telemetry", "placement"):
+        proc = cli(command, "--help")  # each tool's own help, under the name it was called by
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: colocated-grpo {command} "), proc.stdout
+    # usage errors as argparse has them: usage on stderr, exit 2
+    for args, error in (((), "the following arguments are required: COMMAND"), (("trian",), "unknown command 'trian'")):
+        proc = cli(*args)
+        assert proc.returncode == 2 and proc.stdout == "", args
+        assert proc.stderr.startswith("usage: colocated-grpo ") and f"colocated-grpo: error: {error}" in proc.stderr
     # the same table as `python -m colocated_grpo.analysis DIR`: a sweep directory with no job yet
     sweep = cli("summary", str(tmp_path))
     assert sweep.returncode == 0 and "summary:" in sweep.stdout and (tmp_path / "summary.csv").exists()
+
+
+# A sweep of one finished job, kept from a GPU run (its run files as the run wrote them)
+KEPT_SWEEP = REPO / "sweeps/results/fast_outputs_h200/runs/qwen2.5-1.5b-random/trl_32"
+
+
+def test_summary_refuses_a_missing_directory_in_one_line_and_prints_a_run_without_writing_into_it(tmp_path):
+    missing = cli("summary", str(tmp_path / "nonexistent"))
+    assert (missing.returncode, missing.stdout) == (2, "")
+    assert missing.stderr == f"error: {tmp_path / 'nonexistent'}: no such directory\n"
+    (tmp_path / "a-file").write_text("")
+    assert cli("summary", str(tmp_path / "a-file")).stderr == f"error: {tmp_path / 'a-file'}: not a directory\n"
+
+    sweep = tmp_path / "sweep"
+    shutil.copytree(KEPT_SWEEP, sweep)
+    step_s = json.loads((sweep / "0_/summary.json").read_text())["timing_s/step"]
+    job = cli("summary", str(sweep / "0_"))  # a job's directory, and the same run files without the job's record
+    (run := tmp_path / "run").mkdir()
+    for name in ("run.json", "summary.json", "metrics.jsonl", "config.yaml"):
+        shutil.copy(sweep / "0_" / name, run)
+    plain = cli("summary", str(run))
+    for proc, directory in ((job, sweep / "0_"), (plain, run)):
+        assert proc.returncode == 0, proc.stderr
+        assert f"run {directory.name}: finished" in proc.stdout and f"{step_s:.4g}" in proc.stdout
+        assert f"{directory} is a run directory: nothing written" in proc.stdout
+        assert not (directory / "summary.csv").exists()
+    whole = cli("summary", str(sweep))
+    assert whole.returncode == 0 and f"{step_s:.4g}" in whole.stdout
+    assert (sweep / "summary.csv").exists() and not (sweep / "0_/summary.csv").exists()
 
 
 def test_missing_extra_is_refused_up_front_naming_the_extra():

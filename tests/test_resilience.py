@@ -184,6 +184,21 @@ def test_sigkill_then_rerun_resumes_with_continuous_steps(killed_then_resumed):
     assert [(a["from_step"], a["status"]) for a in run["attempts"]] == [(0, "died"), (k, "finished")]
 
 
+def test_a_resumed_runs_summary_leaves_out_each_attempts_warm_up_and_names_the_attempt(killed_then_resumed):
+    """The resumed attempt's first step starts a fresh engine: a warm-up, like step 1, left out of the means."""
+    r = killed_then_resumed
+    k = r.before.checkpoint.step
+    summary = json.loads((r.dir / "summary.json").read_text())
+    steady = [
+        m["timing_s/step"] for m in read_jsonl(r.dir / "metrics.jsonl") if m["train/global_step"] not in (1, k + 1)
+    ]
+    assert (summary["steady_state/steps"], summary["steady_state/attempts"]) == (STEPS - 2, 2)
+    assert summary["timing_s/step"] == pytest.approx(sum(steady) / len(steady))
+    (finished,) = [line for line in r.second.output.splitlines() if "run finished:" in line]
+    assert finished.endswith(f"run finished: {r.dir} (attempt 2: steps {k + 1}-{STEPS})")
+    assert f"(mean of {STEPS - 2} steps of 2 attempts, after each one's warm-up)" in r.second.output
+
+
 def test_resumed_run_continues_the_same_wandb_run_without_repeating_steps(killed_then_resumed):
     r = killed_then_resumed
     run_id = r.before.run["wandb_id"]
@@ -357,15 +372,23 @@ def test_vllm_cpu_kv_cache_larger_than_memory_names_the_key_and_the_numbers(job)
     assert run["status"] == "failed" and run["error"].startswith("StartupMemoryError: ")
 
 
-def test_reward_that_raises_names_function_and_sample(job):
+def test_reward_that_raises_says_so_once_and_lists_its_batch_in_the_log_file(job):
+    """The reward is not called again to find the failing sample (with a judge model or a sandbox each call is a
+    side effect): the console names the reward and the batch, train.log lists the batch's samples."""
     j = job(*FAULTY, "+reward.weights.fails_on_odd_answer=1.0", "trainer.max_steps=20", check=False)
     assert j.proc.returncode != 0
     m = re.search(
         r"RewardError: reward 'fails_on_odd_answer' raised ZeroDivisionError: odd answers are not handled "
-        r"on sample (\d+): completion='.*' columns=\{'answer': '(-?\d+)'\}",
+        r"on a batch of (\d+) samples \(which one is not known without calling the reward again; the samples are "
+        r"listed with this error's traceback in train.log\)\n",
         j.output,
     )
-    assert m and int(m[2]) % 2 == 1, j.output[-4000:]
+    assert m and int(m[1]) > 1, j.output[-4000:]
+    samples = re.findall(
+        r"^sample (\d+): completion='.*' columns=\{'answer': '(-?\d+)'\}$", (j.dir / "train.log").read_text(), re.M
+    )
+    assert [int(i) for i, _ in samples] == list(range(int(m[1]))) and any(int(a) % 2 for _, a in samples)
+    assert "sample 0: completion=" not in j.output, "the console stays one line"
     assert json.loads((j.dir / "run.json").read_text())["error"].startswith("RewardError: reward 'fails_on_odd")
 
 

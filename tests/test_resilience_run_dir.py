@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import run_environment
 from test_resilience import FAULTY, Job
@@ -114,21 +116,31 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
     try:
         # one process: the message alone for an error that explains itself, the traceback too for any other
         monkeypatch.delenv("LOCAL_RANK", raising=False)
-        console.report_failure(_raised(_Explained("what to change")), tmp_path, explained=True)
-        console.report_failure(_raised(KeyError("surprise")), tmp_path, explained=False)
+        console.report_failure(_raised(_Explained("what to change")), explained=True)
+        console.report_failure(_raised(KeyError("surprise")), explained=False)
         err = capsys.readouterr().err
         assert err.startswith("_Explained: what to change\nTraceback (most recent call last):")
         assert err.rstrip().endswith("KeyError: 'surprise'") and err.count("Traceback") == 1
         # two ranks of one torchrun launch (same parent) fail: the first to report says it, the other stays quiet
         monkeypatch.setattr(console, "OTHER_RANKS_WAIT_S", 0)
+        claims = tmp_path / "claims"
+        claims.mkdir()
+        monkeypatch.setattr(console, "CLAIMS_DIR", claims)
+        ended = subprocess.Popen([sys.executable, "-c", "pass"])  # the claim of a launch whose agent has ended
+        stale = claims / f"colocated-grpo-failure-{ended.pid}-{psutil.Process(ended.pid).create_time():.0f}"
+        ended.wait()
+        stale.touch()
         error_file = tmp_path / "error.json"
         for rank in ("1", "0"):
             monkeypatch.setenv("LOCAL_RANK", rank)
             monkeypatch.setenv("RANK", rank)
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-            console.report_failure(_raised(_Explained(f"on rank {rank}")), tmp_path, explained=True)
+            console.report_failure(_raised(_Explained(f"on rank {rank}")), explained=True)
         assert capsys.readouterr().err == "_Explained: on rank 1\n"
         assert json.loads(error_file.read_text())["message"]["message"] == "_Explained: on rank 1"
+        agent = psutil.Process(os.getppid())
+        live = f"colocated-grpo-failure-{agent.pid}-{agent.create_time():.0f}"
+        assert [p.name for p in claims.iterdir()] == [live], "the live launch's claim stays, the ended one's is gone"
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
@@ -157,6 +169,7 @@ def test_a_failing_two_rank_run_prints_its_error_once_without_the_libraries_nois
     assert "nanobind" not in out and "Error executing job" not in out
     assert "Weave" not in out and "gradient_checkpointing` is deprecated" not in out
     assert "odd answers are not handled" in (j.dir / "train.log").read_text(), "the tracebacks are in the log file"
+    assert [p.name for p in j.dir.iterdir() if p.name.startswith(".failure")] == [], "no claim left in the run dir"
 
 
 # An "agent" that starts a "worker" in a session of its own, as torchrun does, and then waits.

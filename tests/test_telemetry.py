@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from colocated_grpo.telemetry import nvml
 from colocated_grpo.telemetry.aggregate import RankReport, label_samples, steady_state, step_metrics
 from colocated_grpo.telemetry.nvml import Sample
 from colocated_grpo.telemetry.phases import PhaseTracker, StepPhases
@@ -210,7 +211,63 @@ def test_steady_state_excludes_warmup_and_keeps_final_reward():
     assert steady_state(records[:1], warmup_steps=5)["timing_s/step"] == 30.0  # too short: all steps
 
 
+def test_steady_state_of_a_resumed_run_leaves_out_each_attempts_warm_up():
+    """Resumed from step 3: step 4 starts a fresh engine, a warm-up like step 1."""
+    records = [{"train/global_step": n, "timing_s/step": t} for n, t in enumerate([30.0, 2.0, 4.0, 20.0, 6.0], 1)]
+    s = steady_state(records, warmup_steps=1, starts=(0, 3))
+    assert s["timing_s/step"] == 4.0 and s["steady_state/steps"] == 3 and s["steady_state/attempts"] == 2
+    one = steady_state(records, warmup_steps=1)
+    assert one["steady_state/steps"] == 4 and one["steady_state/attempts"] == 1
+    # too short to leave out a warm-up: every step, of both attempts
+    s = steady_state([records[0], records[3]], warmup_steps=1, starts=(0, 3))
+    assert s["timing_s/step"] == 25.0 and s["steady_state/steps"] == 2 and s["steady_state/attempts"] == 2
+
+
 def test_empty_step_has_nan_not_crash():
     m = step_metrics([RankReport(0, StepPhases(0.0, 0.0), [], 0, 0)])
     assert m["timing_s/step"] == 0 and "perf/tokens_per_s" not in m
     assert not math.isnan(m["timing_s/generate"])
+
+
+# Why there are no GPU metrics. NVML cannot work on a CPU machine, so pynvml is made to fail in each way it can.
+def _nvml_init_raises(monkeypatch, code):
+    import pynvml
+
+    def init():
+        raise pynvml.NVMLError(code)  # pynvml's own subclass for the code, as the real library raises it
+
+    monkeypatch.setattr(pynvml, "nvmlInit", init)
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        (
+            "NVML_ERROR_LIBRARY_NOT_FOUND",
+            "libnvidia-ml.so not found (no NVIDIA driver, or not on the library path) "
+            "(NVMLError: NVML Shared Library Not Found)",
+        ),
+        ("NVML_ERROR_DRIVER_NOT_LOADED", "the NVIDIA driver is not loaded (NVMLError: Driver Not Loaded)"),
+        ("NVML_ERROR_NO_PERMISSION", "no permission to open the GPUs (NVMLError: Insufficient Permissions)"),
+        ("NVML_ERROR_UNKNOWN", "NVML failed: Unknown Error"),
+    ],
+)
+def test_nvml_unavailable_says_what_failed(monkeypatch, code, said):
+    import pynvml
+
+    _nvml_init_raises(monkeypatch, getattr(pynvml, code))
+    assert nvml.unavailable() == said
+
+
+def test_nvml_unavailable_without_pynvml_or_gpus_and_none_with_gpus(monkeypatch):
+    import sys
+
+    import pynvml
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 0)
+    assert nvml.unavailable() == "NVML sees no GPU (0 devices)"
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    assert nvml.unavailable() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # as if not installed: `import pynvml` raises ImportError
+    assert nvml.unavailable() == "pynvml is not installed (pip install nvidia-ml-py)"

@@ -1,3 +1,5 @@
+import traceback
+
 import pytest
 
 from colocated_grpo.training import rewards
@@ -52,14 +54,35 @@ def test_for_trl_reads_conversational_completions_and_params():
     assert out == [1.0]
 
 
-def test_for_trl_names_function_and_sample_when_reward_raises(monkeypatch):
+def test_a_reward_that_raises_is_called_once_and_names_the_sample_only_where_that_is_known(monkeypatch):
+    calls = []
+
     def fragile(completions, answer, **_):
+        calls.append(list(answer))  # a judge model or a sandbox: every call is one more side effect
         return [float(int(a)) for a in answer]
 
     monkeypatch.setitem(rewards.REGISTRY, "fragile", fragile)
     fn = for_trl("fragile")
-    with pytest.raises(RewardError, match=r"reward 'fragile' raised ValueError.*sample 1.*'oops'"):
-        fn(prompts=["a", "b"], completions=["x", "y"], answer=["1", "oops"])
+    with pytest.raises(RewardError) as err:
+        fn(prompts=["a", "b", "c"], completions=["x", "y", "z"], answer=["1", "oops", "3"])
+    assert calls == [["1", "oops", "3"]], "not called again to find the sample"
+    assert str(err.value) == (
+        "reward 'fragile' raised ValueError: invalid literal for int() with base 10: 'oops' on a batch of 3 samples "
+        "(which one is not known without calling the reward again; the samples are listed with this error's "
+        "traceback in train.log)"
+    )
+    assert err.value.__notes__ == [
+        f"sample {i}: completion={t!r} columns={{'answer': {a!r}}}"
+        for i, t, a in ((0, "x", "1"), (1, "y", "oops"), (2, "z", "3"))
+    ]
+    assert "sample 1: completion='y' columns={'answer': 'oops'}" in "".join(traceback.format_exception(err.value))
+    # a batch of one: its sample is the one
+    calls.clear()
+    with pytest.raises(RewardError) as err:
+        fn(prompts=["b"], completions=["y"], answer=["oops"])
+    assert calls == [["oops"]] and str(err.value).endswith(
+        "'oops' on sample 0: completion='y' columns={'answer': 'oops'}"
+    )
 
 
 def test_build_keeps_weights_in_order():

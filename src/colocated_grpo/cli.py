@@ -1,18 +1,26 @@
 """`colocated-grpo COMMAND …`: the project's tools under one command (training itself is `python train.py`).
 
-Each command is a module's own `main`, so `python -m colocated_grpo.…` runs the same thing; `colocated-grpo
-COMMAND --help` prints that command's options. Commands that run training (study run, bench-telemetry) need a
-checkout's train.py and conf/: run them from the checkout, or set COLOCATED_GRPO_CHECKOUT.
+Each command is a module's own `main(argv, prog)`, so `python -m colocated_grpo.…` runs the same thing; given the
+prog name `colocated-grpo COMMAND`, its `--help` prints that command's options under that name. Commands that run
+training (study run, bench-telemetry) need a checkout's train.py and conf/: run them from the checkout, or set
+COLOCATED_GRPO_CHECKOUT.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
-# command: (module whose main(argv) runs it, arguments put first, what it does)
+PROG = "colocated-grpo"
+
+# command: (module whose main(argv, prog) runs it, arguments put first, what it does)
 COMMANDS = {
-    "summary": ("colocated_grpo.analysis.__main__", [], "SWEEP_DIR: print a sweep's table, rewrite its summary.csv"),
+    "summary": (
+        "colocated_grpo.analysis.__main__",
+        [],
+        "SWEEP_DIR | RUN_DIR: a sweep's table (rewrites its summary.csv), or a run's row",
+    ),
     "render": ("colocated_grpo.analysis.__main__", ["render"], "DIR [--out OUT]: a sweep's or a run's figures"),
     "notebook": ("colocated_grpo.analysis.notebook", [], "NOTEBOOK [NAME=VALUE …]: execute a notebook headless"),
     "study": ("colocated_grpo.bench.study.__main__", [], "run DEFINITION --out DIR | report DIR: a benchmark study"),
@@ -31,21 +39,28 @@ COMMANDS = {
 }
 
 
-def usage() -> str:
+def commands() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, (_, _, what) in COMMANDS.items()]
-    return "usage: colocated-grpo COMMAND [ARGS …]   (COMMAND --help for its options)\n\n" + "\n".join(lines)
+    return "commands (COMMAND --help for its options):\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.split("\n")[0] + "\n\n" + usage())
-        return
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n")[0],
+        epilog=commands(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", metavar="COMMAND", help="one of the commands below")
+    parser.add_argument("args", metavar="ARGS", nargs="*", default=[], help="the command's own arguments")
+    if not argv or argv[0].startswith("-"):
+        parser.parse_args(argv)  # --help: exit 0; nothing, or an option in place of a command: usage, exit 2
     if argv[0] not in COMMANDS:
-        sys.exit(f"colocated-grpo: unknown command {argv[0]!r}\n{usage()}")
+        parser.error(f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
     module, first, _ = COMMANDS[argv[0]]
-    importlib.import_module(module).main([*first, *argv[1:]])
+    importlib.import_module(module).main([*first, *argv[1:]], prog=f"{PROG} {argv[0]}")
 
 
 if __name__ == "__main__":

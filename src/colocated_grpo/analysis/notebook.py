@@ -69,9 +69,9 @@ def parse_parameter(text: str) -> tuple[str, object]:
         return name, value
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m colocated_grpo.analysis.notebook", description=__doc__.split("\n")[0]
+        prog=prog or "python -m colocated_grpo.analysis.notebook", description=__doc__.split("\n")[0]
     )
     parser.add_argument("notebook", help="notebooks/sweep.py, notebooks/run.py (or their .ipynb)")
     parser.add_argument("parameters", nargs="*", type=parse_parameter, help="NAME=VALUE, e.g. sweep_dir=sweeps/…")

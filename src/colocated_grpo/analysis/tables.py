@@ -13,6 +13,7 @@ with its placement (vLLM TP, gpu_memory_utilization, GPUs used) beside its numbe
 With network and a W&B account, `load_wandb_run` and `load_wandb_sweep` read the same frames from the W&B API.
 
     python -m colocated_grpo.analysis SWEEP_DIR                # print the summary table, rewrite SWEEP_DIR/summary.csv
+    python -m colocated_grpo.analysis RUN_DIR                  # print one run's numbers (nothing is written)
     python -m colocated_grpo.analysis render DIR [--out OUT]   # a sweep's or a run's figures as PNGs (DIR/figures)
 """
 
@@ -180,30 +181,38 @@ def load_jobs(sweep_dir: str | Path) -> list[dict]:
     job_dirs = sorted({p.parent for p in sweep_dir.rglob(run_files.JOB)}) or sorted(
         {p.parent for p in sweep_dir.rglob(run_files.RUN)}
     )
-    rows = []
-    for job_dir in job_dirs:
-        job = read_json(job_dir / run_files.JOB)
-        if job is None:
-            run = read_json(job_dir / run_files.RUN)
-            if run is None:
-                continue
-            job = {"num": None, "overrides": [], "status": run.get("status")}
-        placement = run_placement(job_dir)
-        if placement["placement"] is None and job.get("placement"):  # not run: as the launcher planned it
-            placement = job["placement"]
-        row = {
-            "job": job.get("num"),
-            "overrides": " ".join(job.get("swept") or job.get("overrides") or []),
-            "status": job.get("status"),
-            "exit_code": job.get("exit_code"),
-            **placement,
-            **run_summary(job_dir),
-            "note": job.get("reason") or job.get("error"),
-            "dir": str(job_dir.relative_to(sweep_dir)),
-        }
-        rows.append({key: row.get(key) for key in COLUMNS})
+    rows = [row for job_dir in job_dirs if (row := job_row(job_dir, sweep_dir)) is not None]
     rows.sort(key=lambda r: (r["job"] is None, r["job"] if r["job"] is not None else 0, r["dir"]))
     return rows
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A run's own directory (a job of a sweep included): run.json or job.json in it, not below it."""
+    return (Path(path) / run_files.RUN).is_file() or (Path(path) / run_files.JOB).is_file()
+
+
+def job_row(job_dir: Path, sweep_dir: Path) -> dict | None:
+    """The summary row (COLUMNS) of one job or run directory; None when it holds neither job.json nor run.json."""
+    job = read_json(job_dir / run_files.JOB)
+    if job is None:
+        run = read_json(job_dir / run_files.RUN)
+        if run is None:
+            return None
+        job = {"num": None, "overrides": [], "status": run.get("status")}
+    placement = run_placement(job_dir)
+    if placement["placement"] is None and job.get("placement"):  # not run: as the launcher planned it
+        placement = job["placement"]
+    row = {
+        "job": job.get("num"),
+        "overrides": " ".join(job.get("swept") or job.get("overrides") or []),
+        "status": job.get("status"),
+        "exit_code": job.get("exit_code"),
+        **placement,
+        **run_summary(job_dir),
+        "note": job.get("reason") or job.get("error"),
+        "dir": str(job_dir.relative_to(sweep_dir)),
+    }
+    return {key: row.get(key) for key in COLUMNS}
 
 
 def load_sweep(sweep_dir: str | Path, rows: list[dict] | None = None):
@@ -233,14 +242,25 @@ def write_summary(sweep_dir: str | Path, rows: list[dict] | None = None) -> Path
 
 def print_summary(sweep_dir: str | Path, file=None, rows: list[dict] | None = None) -> None:
     """Print the summary as a table (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
     rows = load_jobs(sweep_dir) if rows is None else rows
     counts = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    title = f"sweep {Path(sweep_dir).name}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+    _print_table(f"sweep {Path(sweep_dir).name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()), rows, file)
+
+
+def print_run(run_dir: str | Path, file=None) -> None:
+    """Print one run directory's row of the summary table; nothing is written (summary.csv is a sweep's)."""
+    run_dir = Path(run_dir)
+    row = job_row(run_dir, run_dir)
+    _print_table(f"run {run_dir.resolve().name}: {row['status']}", [row], file)
+    print(f"{run_dir} is a run directory: nothing written (summary.csv is written for a sweep directory)", file=file)
+
+
+def _print_table(title: str, rows: list[dict], file=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=title, show_lines=False)
     for key, header in TABLE.items():
         text = key in ("overrides", "status", "note")

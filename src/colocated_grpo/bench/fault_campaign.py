@@ -279,8 +279,12 @@ def print_report(report: dict) -> None:
     console.print(checks)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m colocated_grpo.bench.fault_campaign",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for the run, the logs and the report")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-steps", type=int, default=4)

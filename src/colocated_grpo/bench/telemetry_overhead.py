@@ -36,8 +36,12 @@ def run_once(out: Path, name: str, nproc: int, overrides: list[str]) -> list[dic
     return read_jsonl(run_dir / run_files.METRICS)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m colocated_grpo.bench.telemetry_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="pairs of (on, off) runs, interleaved")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of each run")

@@ -55,8 +55,12 @@ def _outputs_list(text: str) -> list[str]:
     return names
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m colocated_grpo.bench.vllm_generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="qwen2.5-0.5b-random", help="a conf/model option or a model directory")
     parser.add_argument("--prompts", type=_int_list, default=[64], help="completions per batch, e.g. 32,128,512")
     parser.add_argument("--prompt-tokens", type=int, default=64)

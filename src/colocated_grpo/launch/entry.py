@@ -65,7 +65,5 @@ def main(cfg: DictConfig) -> None:
         console.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         startup_signals.over()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
-        console.report_failure(
-            exc, run_dir, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError)
-        )
+        console.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
         console.exit_now(1)

@@ -15,11 +15,13 @@ which the checkpoint stores once and loading ties again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -28,6 +30,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 OTHER_RANKS_WAIT_S = 2.0  # a failing rank other than 0 lets a failing rank 0 report first
+CLAIMS_DIR = Path(tempfile.gettempdir())  # where the ranks of one launch claim its failure report
+CLAIM_PREFIX = "colocated-grpo-failure-"
 
 
 def quiet_known_noise() -> None:
@@ -55,12 +59,12 @@ def quiet_tied_weights_on_resume(model) -> None:
         logging.getLogger("transformers.trainer").addFilter(_TiedKeysMissing(tied))
 
 
-def report_failure(exc: BaseException, run_dir: Path | None, explained: bool, show_cause: bool = False) -> None:
+def report_failure(exc: BaseException, explained: bool, show_cause: bool = False) -> None:
     """Log `exc` with its traceback to the log files; print it on the console once per launch (a traceback only
     when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward)."""
     line = f"{type(exc).__name__}: {exc}"
     _log_to_files(exc)
-    if not _first_to_report(run_dir):
+    if not _first_to_report():
         return
     if not explained:
         traceback.print_exception(exc)  # its last line is `line`
@@ -86,24 +90,41 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _first_to_report(run_dir: Path | None) -> bool:
+def _first_to_report() -> bool:
     """Whether this process reports its launch's failure: always when it is the only process, else the first of the
     launch's processes on this node to claim it (rank 0 gets a head start)."""
-    if "LOCAL_RANK" not in os.environ or run_dir is None:
-        return _rank() == 0 or "LOCAL_RANK" not in os.environ
+    if "LOCAL_RANK" not in os.environ:
+        return True
     if _rank() != 0:
         time.sleep(OTHER_RANKS_WAIT_S)
     import psutil
 
-    agent = psutil.Process(os.getppid())  # the torchrun agent: the ranks' parent, one marker per launch and node
-    marker = Path(run_dir) / f".failure-{agent.pid}-{agent.create_time():.0f}"
+    agent = psutil.Process(os.getppid())  # the torchrun agent: the ranks' parent, one claim per launch and node
+    # The claim must outlive the reporting rank (another rank may fail minutes later, at a collective's timeout), so
+    # it stays while its agent lives: outside the run directory, and removed by a later claim once the agent is gone.
+    _remove_claims_of_ended_agents()
+    claim = CLAIMS_DIR / f"{CLAIM_PREFIX}{agent.pid}-{agent.create_time():.0f}"
     try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
     except FileExistsError:
         return False
     except OSError:
         return _rank() == 0
+
+
+def _remove_claims_of_ended_agents() -> None:
+    import psutil
+
+    for claim in CLAIMS_DIR.glob(f"{CLAIM_PREFIX}*-*"):
+        pid, _, started = claim.name.removeprefix(CLAIM_PREFIX).partition("-")
+        try:
+            alive = f"{psutil.Process(int(pid)).create_time():.0f}" == started
+        except (ValueError, psutil.Error):
+            alive = False
+        if not alive:
+            with contextlib.suppress(OSError):  # another user's, in a shared temp dir: theirs to remove
+                claim.unlink()
 
 
 def _log_to_files(exc: BaseException) -> None:

@@ -108,26 +108,38 @@ def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:
 
 
 class SteadyState:
-    """Running means of every numeric metric over the steps after `warmup_steps` (all steps while none are left),
-    updated one record at a time so that a long run's summary costs the same at step 10 000 as at step 10."""
+    """Running means of every numeric metric over the steps after each attempt's `warmup_steps` (all steps while none
+    are left), updated one record at a time so that a long run's summary costs the same at step 10 000 as at step 10.
 
-    def __init__(self, warmup_steps: int):
+    `starts`: the step each attempt of the run started from (0, then each resume's checkpoint step). A resumed
+    attempt starts a fresh process and engine, so its first steps are warm-up too, not those after global step
+    `warmup_steps` only."""
+
+    def __init__(self, warmup_steps: int, starts=(0,)):
         self.warmup_steps = warmup_steps
+        self.starts = sorted({0, *starts})
         self._all = _Means()
         self._steady = _Means()
+        self._attempts: dict[str, set[int]] = {"all": set(), "steady": set()}  # the starts of those averaged
         self._last: dict = {}
 
     def add(self, record: dict) -> None:
+        step = record.get(STEP_KEY, 0)
+        start = self.starts[bisect.bisect_left(self.starts, step) - 1] if step > 0 else 0  # its attempt's start
         self._all.add(record)
-        if record.get(STEP_KEY, 0) > self.warmup_steps:
+        self._attempts["all"].add(start)
+        if step - start > self.warmup_steps:
             self._steady.add(record)
+            self._attempts["steady"].add(start)
         self._last = record
 
     def summary(self) -> dict[str, float]:
-        means = self._steady if self._steady.records else self._all
+        which = "steady" if self._steady.records else "all"
+        means = self._steady if which == "steady" else self._all
         summary = means.means()
         summary["steady_state/steps"] = means.records
         summary["steady_state/warmup_steps"] = self.warmup_steps
+        summary["steady_state/attempts"] = len(self._attempts[which])  # attempts whose steps are in the means
         if "reward" in self._last:
             summary["final/reward"] = self._last["reward"]
         return summary
@@ -153,9 +165,9 @@ class _Means:
         return {k: self.sums[k] / n if n else float("nan") for k, n in sorted(self.counts.items())}
 
 
-def steady_state(records: list[dict], warmup_steps: int) -> dict[str, float]:
-    """SteadyState's summary of a list of records."""
-    state = SteadyState(warmup_steps)
+def steady_state(records: list[dict], warmup_steps: int, starts=(0,)) -> dict[str, float]:
+    """SteadyState's summary of a list of records (`starts`: each attempt's first step minus one)."""
+    state = SteadyState(warmup_steps, starts)
     for record in records:
         state.add(record)
     return state.summary()

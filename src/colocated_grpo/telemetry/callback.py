@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from colocated_grpo import run_files
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.run_files import STEP_KEY, JsonlWriter, read_jsonl, write_json
+from colocated_grpo.run_files import STEP_KEY, JsonlWriter, read_json, read_jsonl, write_json
 from colocated_grpo.telemetry import aggregate, nvml
 from colocated_grpo.telemetry.phases import PhaseTracker, TokenCounter
 
@@ -35,6 +35,10 @@ class MetricsFileCallback(TrainerCallback):
         self.extras = list(extras)
         self.steady = aggregate.SteadyState(warmup_steps)
         self.writer: JsonlWriter | None = None
+        self.start_step = 0  # the step this attempt started from (a resume's checkpoint step)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step = state.global_step  # the checkpoint's state is loaded by now
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -44,6 +48,9 @@ class MetricsFileCallback(TrainerCallback):
             return
         if self.writer is None:
             path = self.run_dir / run_files.METRICS
+            # each attempt warms up again (run.json holds every attempt's start, this one's included)
+            run = read_json(self.run_dir / run_files.RUN) or {}
+            self.steady.starts = sorted({0, self.start_step, *(a.get("from_step", 0) for a in run.get("attempts", []))})
             # a resumed run keeps the steps before its checkpoint (the file was cut back to them) in its summary
             for earlier in read_jsonl(path):
                 self.steady.add(earlier)
@@ -99,7 +106,8 @@ class TelemetryCallback(TrainerCallback):
         import torch
 
         rank = self.trainer.accelerator.process_index
-        if self.cuda and nvml.nvml_available():
+        why_not = nvml.unavailable() if self.cuda else "torch sees no CUDA device"
+        if why_not is None:
             device = torch.cuda.current_device()
             gpus = {str(rank): nvml.cuda_device_uuid(device)}
             if state.is_world_process_zero:  # a vLLM server's GPUs (server placement) are sampled by rank 0
@@ -110,9 +118,7 @@ class TelemetryCallback(TrainerCallback):
                 name = torch.cuda.get_device_name(device)
                 self.peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
         elif state.is_world_process_zero:
-            log.warning(
-                "NVML is not available (no NVIDIA GPU): logging phase timings and throughput without GPU metrics"
-            )
+            log.warning("no GPU metrics: %s; logging phase timings and throughput only", why_not)
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
         self.constants = {"model/params": float(self.n_params)}
         kv_tokens = trl_internals.kv_cache_tokens(self.trainer)

@@ -26,14 +26,30 @@ class Sample:
     sm_clock_mhz: float
 
 
-def nvml_available() -> bool:
+def unavailable() -> str | None:
+    """Why NVML cannot sample this machine's GPUs, in words a user can act on; None when it can."""
     try:
         import pynvml
-
+    except ImportError:
+        return "pynvml is not installed (pip install nvidia-ml-py)"
+    try:
         pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount() > 0
-    except Exception:
-        return False
+        count = pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError as exc:
+        return _explain(pynvml, exc)
+    except Exception as exc:  # a broken install: say what it raised rather than guess
+        return f"NVML failed: {type(exc).__name__}: {exc}"
+    return None if count > 0 else "NVML sees no GPU (0 devices)"
+
+
+def _explain(pynvml, exc) -> str:
+    known = {
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: "libnvidia-ml.so not found (no NVIDIA driver, or not on the library path)",
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED: "the NVIDIA driver is not loaded",
+        pynvml.NVML_ERROR_NO_PERMISSION: "no permission to open the GPUs",
+    }
+    why = known.get(getattr(exc, "value", None))
+    return f"{why} (NVMLError: {exc})" if why else f"NVML failed: {exc}"
 
 
 def cuda_device_uuid(device_index: int) -> str:

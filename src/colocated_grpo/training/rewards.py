@@ -181,8 +181,8 @@ def completion_text(completion) -> str:
 
 
 def for_trl(name: str, params: dict | None = None, check_finite: bool = True) -> RewardFn:
-    """Adapt a registered reward to TRL's calling convention, naming the function and sample if it raises (or,
-    with `check_finite`, if it returns NaN or an infinite score)."""
+    """Adapt a registered reward to TRL's calling convention, naming the function if it raises (the sample too where
+    that is known without calling it again), and, with `check_finite`, the sample it returned NaN or inf for."""
     fn = REGISTRY[name]
     params = dict(params or {})
 
@@ -191,15 +191,8 @@ def for_trl(name: str, params: dict | None = None, check_finite: bool = True) ->
         texts = [completion_text(c) for c in completions]
         try:
             scores = fn(texts, **columns, **params)
-        except Exception as exc:  # find the first failing sample so the message points at real data
-            for i, text in enumerate(texts):
-                try:
-                    fn([text], **_row(columns, i, len(texts)), **params)
-                except Exception:
-                    raise RewardError(
-                        f"reward '{name}' raised {type(exc).__name__}: {exc} on {_sample(texts, columns, i)}"
-                    ) from exc
-            raise RewardError(f"reward '{name}' raised {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            raise _raised(name, exc, texts, columns) from exc
         if check_finite:
             for i, score in enumerate(scores):
                 if score is not None and not math.isfinite(score):
@@ -211,6 +204,22 @@ def for_trl(name: str, params: dict | None = None, check_finite: bool = True) ->
         return scores
 
     return reward
+
+
+def _raised(name: str, exc: Exception, texts: list[str], columns: dict) -> RewardError:
+    """The error for a reward that raised on a batch. Which sample it failed on is known only for a batch of one:
+    finding it otherwise means calling the reward again (a judge model, a sandbox: calls with side effects), and
+    guessing from its frames can be wrong. The batch's samples go with the error, into the log file's traceback."""
+    said = f"reward '{name}' raised {type(exc).__name__}: {exc}"
+    if len(texts) == 1:
+        return RewardError(f"{said} on {_sample(texts, columns, 0)}")
+    error = RewardError(
+        f"{said} on a batch of {len(texts)} samples (which one is not known without calling the reward again; "
+        "the samples are listed with this error's traceback in train.log)"
+    )
+    for i in range(len(texts)):
+        error.add_note(_sample(texts, columns, i))
+    return error
 
 
 def _row(columns: dict, i: int, n: int) -> dict:

@@ -152,11 +152,16 @@ def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
     """A few lines for the end of a finished run: steady-state step time by phase, throughput, GPU utilisation by
     phase (with NVML), the final reward, where the files are and how to upload the W&B run."""
     s = run_files.read_json(run_dir / run_files.SUMMARY) or {}
+    attempts = (run_files.read_json(run_dir / run_files.RUN) or {}).get("attempts") or [{}]
+    last = (run_files.read_json(run_dir / run_files.TRAINER_SUMMARY) or {}).get(run_files.STEP_KEY)
     lines = [f"run finished: {run_dir}"]
+    if len(attempts) > 1 and last is not None:  # a resumed run: each attempt's end is in train.log
+        lines[0] += f" (attempt {len(attempts)}: steps {attempts[-1].get('from_step', 0) + 1}-{last})"
     if (step := s.get("timing_s/step")) is not None:
         phases = " + ".join(f"{p} {s[f'timing_s/{p}']:.2f}" for p in PHASES if s.get(f"timing_s/{p}"))
-        steady = int(s.get("steady_state/steps", 0))
-        lines.append(f"  step {step:.2f} s = {phases}  (mean of {steady} steps after warm-up)")
+        steady, over = int(s.get("steady_state/steps", 0)), int(s.get("steady_state/attempts", 1))
+        across = f" of {over} attempts, after each one's warm-up" if over > 1 else " after warm-up"
+        lines.append(f"  step {step:.2f} s = {phases}  (mean of {steady} steps{across})")
     if (rate := s.get("perf/tokens_per_s_per_gpu")) is not None:
         utils = ", ".join(f"{p} {s[f'gpu/util_{p}']:.0f} %" for p in PHASES if s.get(f"gpu/util_{p}") is not None)
         lines.append(f"  tokens/s per GPU {rate:,.0f}" + (f"; GPU util {utils}" if utils else ""))

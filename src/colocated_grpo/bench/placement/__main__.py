@@ -21,9 +21,9 @@ from colocated_grpo.bench.placement.model import PHASES, Workload, placements, p
 from colocated_grpo.provenance import FIGURES, require_extra
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m colocated_grpo.bench.placement",
+        prog=prog or "python -m colocated_grpo.bench.placement",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

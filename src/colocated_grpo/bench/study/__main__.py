@@ -22,9 +22,9 @@ from colocated_grpo.bench.study import report, running
 from colocated_grpo.provenance import FIGURES, require_extra
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m colocated_grpo.bench.study",
+        prog=prog or "python -m colocated_grpo.bench.study",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
