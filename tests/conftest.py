@@ -4,12 +4,15 @@ fast set, seconds instead of minutes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
@@ -99,15 +102,8 @@ def run_sweep(run_env, tmp_path_factory):
     def _run_sweep(*overrides: str, timeout: int = 600):
         tmp = tmp_path_factory.mktemp("sweep")
         sweep_dir = tmp / "sweep"
-        proc = subprocess.run(
-            [sys.executable, str(TRAIN_SCRIPT), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides],
-            cwd=tmp,
-            env=run_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        return proc, sweep_dir
+        cmd = [sys.executable, str(TRAIN_SCRIPT), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides]
+        return run_bounded(cmd, cwd=tmp, env=run_env, timeout=timeout), sweep_dir
 
     return _run_sweep
 
@@ -124,7 +120,7 @@ def train(run_env, tmp_path_factory):
         args = [f"hydra.run.dir={run_dir}", *overrides]
         cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
         env = {**run_env, **(env or {})}  # no MASTER_PORT: a plain run holds a rendezvous port of its own
-        proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_bounded(cmd, cwd=run_dir, env=env, timeout=timeout)
         run = Run(run_dir, proc)
         if check:
             assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{run.output[-6000:]}"
@@ -169,11 +165,64 @@ def tp2_run(train, tmp_path_factory) -> Run:
     return run
 
 
-def start_own_session(cmd: list[str], cwd: Path, env: dict) -> subprocess.Popen:
-    """`cmd` in a session of its own (signalled like a terminal would signal it), its output captured as text."""
-    return subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+# ------------------------------------------------------------------------------------------------------------
+# No test can hang: every process a test starts (train.py, torchrun, a sweep, vLLM under them) runs in a session of
+# its own and is ended with its whole tree, when its time limit passes or at the latest when its test ends.
+
+_started: list[subprocess.Popen] = []  # every process started through start_own_session
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`, its process group and every descendant (torchrun's workers run in sessions of their own)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        tree = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+
+
+def start_own_session(cmd: list[str], cwd: Path, env: dict, **popen) -> subprocess.Popen:
+    """`cmd` in a session of its own (signalled like a terminal would signal it), its output captured as text
+    unless `popen` says otherwise. It is ended with its tree when the test that started it ends."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **popen)
+    _started.append(proc)
+    return proc
+
+
+def run_bounded(cmd: list[str], *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) with a hard limit: past `timeout` seconds the whole
+    process tree is killed and the test fails with the command's last lines."""
+    proc = start_own_session(cmd, cwd, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, err = proc.communicate()
+        pytest.fail(
+            f"{' '.join(map(str, cmd))} ran past {timeout:.0f} s and was killed, with every process it "
+            f"started; its last lines:\n{(out + err)[-6000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.fixture(autouse=True)
+def _end_what_the_test_started():
+    """Processes a test started (not those of the module and session fixtures it uses, started before it) end with
+    it, whether it passed, failed or timed out waiting."""
+    before = len(_started)
+    yield
+    for proc in _started[before:]:
+        if proc.poll() is None:
+            kill_tree(proc)
+    del _started[before:]
 
 
 def wait_for_file(proc: subprocess.Popen, directory: Path, pattern: str, timeout_s: float = 180) -> None:

@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 import pytest
 import yaml
-from conftest import start_own_session, wait_for_file
+from conftest import run_bounded, start_own_session, wait_for_file
 
 from colocated_grpo.bench.study import definition as study
 from colocated_grpo.bench.study import portable
@@ -47,14 +47,8 @@ TINY_STUDY = {
 
 
 def _run_study(definition, out, env, tmp_path):
-    return subprocess.run(
-        [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    cmd = [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out)]
+    return run_bounded(cmd, cwd=tmp_path, env=env, timeout=900)
 
 
 @pytest.fixture(scope="module")

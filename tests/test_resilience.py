@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from conftest import MOVING, TP2, run_environment
+from conftest import MOVING, TP2, kill_tree, run_bounded, run_environment, start_own_session
 from hydra import compose, initialize_config_dir
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
@@ -43,9 +43,7 @@ class Job:
         self.cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
         self.env = {**run_environment(model_cache), **(env or {})}
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                self.cmd, cwd=run_dir.parent, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self.proc = start_own_session(self.cmd, run_dir.parent, self.env, stdout=out)
 
     def steps(self, name: str = "metrics.jsonl") -> list[int]:
         path = self.dir / name
@@ -62,7 +60,11 @@ class Job:
         os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout: float = 600) -> int:
-        return self.proc.wait(timeout=timeout)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            pytest.fail(f"ran past {timeout:.0f} s and was killed with its tree:\n{self.output[-4000:]}")
 
     @property
     def output(self) -> str:
@@ -278,9 +280,7 @@ def test_sigterm_saves_a_checkpoint_finishes_wandb_and_exits_143(model_cache, tm
     # The printed command resumes it and the run completes, each step once.
     command = message[3].split()
     assert command[0] == "python" and command[1:] == [str(REPO / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
-    second = subprocess.run(
-        [sys.executable, *command[1:]], cwd=tmp_path, env=first.env, capture_output=True, text=True, timeout=600
-    )
+    second = run_bounded([sys.executable, *command[1:]], cwd=tmp_path, env=first.env, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert [r["train/global_step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 11))
     segments = wandb_rewind.segments(run_dir / "wandb", run["wandb_id"])

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_bounded
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
@@ -51,7 +51,7 @@ def full_then_roomy(run_env, tmp_path_factory):
     )
     # --map-root-user: the mount needs no privileges outside the namespace
     cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", script]
-    proc = subprocess.run(cmd, cwd=out, env=run_env, capture_output=True, text=True, timeout=600)
+    proc = run_bounded(cmd, cwd=out, env=run_env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, run_dir
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import run_environment
+from conftest import run_bounded, run_environment
 from test_resilience import FAULTY, Job
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
@@ -24,7 +26,7 @@ from colocated_grpo.resilience import console, run_dir_guard
 def _train(run_dir: str, model_cache: Path, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={run_dir}", "logger=none", *overrides]
     env = run_environment(model_cache)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return run_bounded(cmd, cwd=cwd, env=env, timeout=300)
 
 
 @pytest.mark.parametrize("where", ["/proc/nope", "under_a_file"])
@@ -197,3 +199,26 @@ def test_a_worker_stops_when_its_torchrun_agent_is_killed():
     except psutil.TimeoutExpired:
         worker.kill()
         raise AssertionError("the worker outlived its agent") from None
+
+
+HANGS = """
+import subprocess, sys, time
+# a worker in a session of its own, as torchrun starts them, and a parent that waits on it for ever
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print("worker", worker.pid, flush=True)
+print("last line before the hang", flush=True)
+worker.wait()
+"""
+
+
+def test_a_test_process_that_hangs_is_killed_with_its_tree_and_fails_with_its_last_lines():
+    """What every test that starts train.py, torchrun or a sweep runs through (conftest.run_bounded)."""
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_bounded([sys.executable, "-c", HANGS], timeout=3)
+    assert time.monotonic() - start < 30
+    message = str(failed.value)
+    assert "ran past 3 s and was killed, with every process it started" in message
+    assert "last line before the hang" in message
+    worker = int(re.search(r"^worker (\d+)$", message, re.M)[1])
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE

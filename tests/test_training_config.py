@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import CONF, compose_train
+from conftest import CONF, compose_train, run_bounded
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
@@ -260,12 +260,11 @@ def test_tldr_experiment_is_the_blog_example():
 
 
 def test_help_lists_groups_and_their_options():
-    import subprocess
     import sys
 
     from colocated_grpo.launch.processes import TRAIN_SCRIPT
 
-    proc = subprocess.run([sys.executable, str(TRAIN_SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    proc = run_bounded([sys.executable, str(TRAIN_SCRIPT), "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for line in ("data: arithmetic, gsm8k, hub, local", "reward: arithmetic, length, length_chars, math"):

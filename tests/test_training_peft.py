@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_train, config_problems, start_own_session
+from conftest import compose_train, config_problems, run_bounded, start_own_session
 from safetensors.torch import load_file
 
 from colocated_grpo.compat import trl as trl_internals
@@ -141,7 +140,7 @@ def lora_killed_then_resumed(run_env, tmp_path_factory):
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     killed = {"checkpoint": checkpoints.latest(run_dir), "metrics": _rows(run_dir), "rollouts": _rows(run_dir, "r")}
-    second = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=900)
+    second = run_bounded(cmd, cwd=run_dir.parent, env=env, timeout=900)
     assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
     return run_dir, killed, second.stdout + second.stderr
 

@@ -3,12 +3,11 @@
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import MOVING, TP2
+from conftest import MOVING, TP2, run_bounded, start_own_session
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
@@ -251,7 +250,7 @@ def test_a_plain_run_holds_its_rendezvous_port_from_before_the_model_loads():
     """TRL would pick a free port among fixed ones and bind it only when the engine starts; this process holds
     its port (a rendezvous store of its own, as torchrun's agent) and the engine's env:// group forms on it."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-c", HELD_PORT], env=env, capture_output=True, text=True, timeout=120)
+    proc = run_bounded([sys.executable, "-c", HELD_PORT], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:2] == [
         "port held",
@@ -265,9 +264,6 @@ def test_two_plain_runs_started_together_both_train(run_env, tmp_path):
     cmds = [
         [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={tmp_path / str(i)}", "trainer.max_steps=1"] for i in (0, 1)
     ]
-    procs = [
-        subprocess.Popen(c, cwd=tmp_path, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for c in cmds
-    ]
+    procs = [start_own_session(c, tmp_path, run_env) for c in cmds]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
