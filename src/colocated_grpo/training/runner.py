@@ -52,6 +52,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     with _refusals_recorded(run_dir, main):
         config.validate(cfg, world)
         _refuse_gpu_only_settings_without_gpu(cfg)
+        wandb_logging.refuse_online_without_credentials(cfg)
     # a run directory that cannot be used as asked is refused before the data is built (its run.json is kept)
     resume = checkpoints.plan(cfg, run_dir, main)
     with _refusals_recorded(run_dir, main):
@@ -91,8 +92,11 @@ def _run(
     record = attempts.RunRecord(run_dir, metadata, resume, write=main)
     if main:
         attempts.prepare_run_dir(cfg, run_dir, resume)
-    wandb_run = wandb_logging.start(cfg, run_dir, metadata, resume) if main else None
+    with _refusals_recorded(run_dir, main):  # W&B refused (e.g. a key its server rejects): run.json says so
+        wandb_run, wandb_outcome = wandb_logging.start(cfg, run_dir, metadata, resume) if main else (None, None)
     record.start(wandb_run)
+    if wandb_outcome is not None:  # the mode asked for and the one it logs in (offline when the server did not answer)
+        record.note(wandb=wandb_outcome)
     if prepared.prompts is not None:
         record.note(prompts=prepared.prompts)  # how long the prompts are, and what was dropped or truncated
 

@@ -1,10 +1,15 @@
 """Weights & Biases on rank 0: offline unless WANDB_MODE says otherwise, files inside the run directory, the same
-W&B run continued when a run is resumed."""
+W&B run continued when a run is resumed.
+
+Online without credentials is refused before anything loads; online with a server that does not answer within
+`logger.init_timeout_s` falls back to offline (the run keeps everything for `wandb sync`). run.json's `wandb` says
+which mode was asked for and which one the run logs in."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -15,26 +20,54 @@ from colocated_grpo.resilience.redaction import redact
 
 log = logging.getLogger(__name__)
 
+ONLINE = ("online", "run", "shared")  # W&B's modes that need its server ("run" is its old name for online)
+INIT_TIMEOUT_S = 20.0  # logger.init_timeout_s when unset; W&B's own default waits 90 s, then fails the run
+
+
+class WandbError(RuntimeError):
+    """W&B cannot run as asked; the message is one line that says what to do."""
+
+
+def asked_mode() -> str:
+    return os.environ.get("WANDB_MODE", "offline")
+
+
+def refuse_online_without_credentials(cfg: DictConfig) -> None:
+    """Every rank, with the config checks: W&B online with no API key stops the run before anything loads."""
+    if cfg.logger.backend != "wandb" or asked_mode() not in ONLINE:
+        return
+    from colocated_grpo.compat import wandb_auth
+
+    # Refused, not taken offline: asking for online without a key is a mistake best heard at once, not after training.
+    if (problem := wandb_auth.missing_credentials()) is not None:
+        raise WandbError(
+            f"W&B online needs an API key ({problem}): `wandb login` or WANDB_API_KEY; "
+            "or use WANDB_MODE=offline, then `wandb sync`"
+        )
+
 
 def start(cfg: DictConfig, run_dir: Path, metadata: dict, resume: Resume):
-    """Start the W&B run (rank 0 only) that TRL's reporting will then use; None when W&B is off.
+    """Start the W&B run (rank 0 only) that TRL's reporting will then use: (run, what run.json records as `wandb`),
+    or (None, None) when W&B is off.
 
     When resuming, the W&B run of the earlier attempts is continued (resume="allow") rather than started anew, with
     no step missing up to the checkpoint.
     """
     if cfg.logger.backend != "wandb":
-        return None
-    run = _init(cfg, run_dir, metadata, resume.wandb_id)
+        return None, None
+    run, outcome = _init(cfg, run_dir, metadata, resume.wandb_id)
     if resume.resuming and (backfilled := wandb_rewind.backfill(run, run_dir, resume.step)):
         log.info("W&B: logged steps %s from metrics.jsonl (missing from the earlier segments)", backfilled)
-    return run
+    return run, outcome
 
 
 def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
     os.environ.setdefault("WANDB_MODE", "offline")
     import wandb
 
-    return wandb.init(
+    asked = asked_mode()
+    timeout = float(cfg.logger.get("init_timeout_s") or INIT_TIMEOUT_S)
+    kwargs = dict(
         project=cfg.logger.project,
         entity=cfg.logger.get("entity"),
         group=cfg.logger.get("group"),
@@ -45,6 +78,34 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
         resume="allow" if run_id else None,
         config=redact({"cfg": OmegaConf.to_container(cfg, resolve=True), **metadata}),
     )
+    started = time.monotonic()
+    try:
+        # quiet: no run history and summary block at the end (our own summary follows, with the `wandb sync` line)
+        run = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=timeout, quiet=True))
+        return run, {"asked": asked, "mode": asked}
+    except wandb.errors.AuthenticationError as err:  # the server answered and rejected the key: a mistake, refused
+        raise WandbError(f"W&B online: {_first_line(err)}; check WANDB_API_KEY or `wandb login`") from err
+    except wandb.errors.CommError as err:
+        if asked not in ONLINE:
+            raise
+        # Taken offline, not failed: a network outage should not cost the run; `wandb sync` uploads it later.
+        waited, reason = time.monotonic() - started, _first_line(err)
+        # A new W&B run: the failed one's id stays taken in this process. A resumed run then logs the steps up to its
+        # checkpoint from metrics.jsonl into it (start's backfill), as when its earlier W&B run cannot be continued.
+        kwargs.update(id=None, resume=None)
+        run = wandb.init(**kwargs, mode="offline", settings=wandb.Settings(silent=True))
+        log.warning(
+            "W&B: no answer from %s within %.0f s (%s); logging offline instead, upload later with: wandb sync %s",
+            run.settings.base_url,
+            waited,
+            reason,
+            Path(run.dir).parent,
+        )
+        return run, {"asked": asked, "mode": "offline", "reason": reason, "waited_s": round(waited, 1)}
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def finish(run, exit_code: int) -> None:
