@@ -35,6 +35,7 @@ class MetricsFileCallback(TrainerCallback):
         self.extras = list(extras)
         self.steady = aggregate.SteadyState(warmup_steps)
         self.writer: JsonlWriter | None = None
+        self.last: dict = {}  # the record of the latest step (telemetry/step_line.py prints it)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -52,6 +53,7 @@ class MetricsFileCallback(TrainerCallback):
         for extra in self.extras:
             record.update(extra())
         self.writer.write(record)
+        self.last = record
         self.steady.add(record)
         self.write_summary()
 

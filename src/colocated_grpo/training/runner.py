@@ -25,6 +25,7 @@ from colocated_grpo.resilience import (
     wandb_rewind,
 )
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
+from colocated_grpo.telemetry import step_line
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
 from colocated_grpo.training import adapters, backends, config, models, preflight, rewards, rollout_log, wandb_logging
@@ -206,6 +207,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
         trainer.add_callback(telemetry)
         metrics_file.extras.append(telemetry.pop_step_metrics)
+    step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
     return trainer
 
 
