@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from colocated_grpo.compat import wandb as wandb_log
 from colocated_grpo.launch.processes import free_port
@@ -56,6 +57,37 @@ class SilentServer:
         self.sock.close()
 
 
+class RejectingServer(ThreadingHTTPServer):
+    """A W&B server on a loopback port that answers every request 401, as W&B's answers a key it does not know."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b'{"errors": [{"message": "user is not logged in"}]}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            self.server.requests += 1
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), self.Handler)
+        self.url, self.requests = f"http://127.0.0.1:{self.server_address[1]}", 0
+
+    def __enter__(self):
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        self.server_close()
+
+
 def test_wandb_online_without_an_api_key_is_refused_in_one_line_before_anything_loads(train, tmp_path):
     closed = f"http://127.0.0.1:{free_port()}"
     run = train("vllm=none", env=online(tmp_path, closed), check=False)
@@ -90,3 +122,18 @@ def test_wandb_online_with_a_server_that_never_answers_falls_back_to_offline_and
     warnings = [line for line in run.output.splitlines() if "logging offline instead" in line]
     assert len(warnings) == 1 and warnings[0].endswith(f"upload later with: wandb sync {segment}"), run.output
     assert "CommError" not in run.output and "Traceback" not in run.output
+
+
+def test_wandb_online_with_a_key_the_server_rejects_is_refused_in_one_line(train, tmp_path):
+    with RejectingServer() as server:
+        run = train("vllm=none", env=online(tmp_path, server.url, api_key="k" * 40), check=False)
+        assert server.requests, "W&B asked the (loopback) server"
+    assert run.proc.returncode == 1, run.output[-3000:]
+    lines = [line for line in run.output.splitlines() if "W&B online" in line]
+    assert lines == [
+        f"WandbError: W&B online: {server.url} refused the run (user is not logged in); check WANDB_API_KEY or "
+        "`wandb login`, or use WANDB_MODE=offline, then `wandb sync`"
+    ], run.output
+    assert "Traceback" not in run.output and "Loading weights" not in run.output, "refused before the model loads"
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["error"] == lines[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from colocated_grpo.compat import wandb_auth
 from colocated_grpo.resilience import wandb_rewind
 from colocated_grpo.resilience.checkpoints import Resume
 from colocated_grpo.resilience.redaction import redact
@@ -36,8 +37,6 @@ def refuse_online_without_credentials(cfg: DictConfig) -> None:
     """Every rank, with the config checks: W&B online with no API key stops the run before anything loads."""
     if cfg.logger.backend != "wandb" or asked_mode() not in ONLINE:
         return
-    from colocated_grpo.compat import wandb_auth
-
     # Refused, not taken offline: asking for online without a key is a mistake best heard at once, not after training.
     if (problem := wandb_auth.missing_credentials()) is not None:
         raise WandbError(
@@ -83,13 +82,18 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
         # quiet: no run history and summary block at the end (our own summary follows, with the `wandb sync` line)
         run = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=timeout, quiet=True))
         return run, {"asked": asked, "mode": asked}
-    except wandb.errors.AuthenticationError as err:  # the server answered and rejected the key: a mistake, refused
-        raise WandbError(f"W&B online: {_first_line(err)}; check WANDB_API_KEY or `wandb login`") from err
     except wandb.errors.CommError as err:
         if asked not in ONLINE:
             raise
-        # Taken offline, not failed: a network outage should not cost the run; `wandb sync` uploads it later.
         waited, reason = time.monotonic() - started, _first_line(err)
+        # W&B retries an unreachable server until init_timeout; an answer it does not retry (401: a rejected key) is
+        # the user's to fix, and refused like a missing key
+        if not (waited >= timeout or reason.startswith("Timed out")):
+            raise WandbError(
+                f"W&B online: {wandb_auth.server()} refused the run ({reason}); check WANDB_API_KEY or `wandb login`, "
+                "or use WANDB_MODE=offline, then `wandb sync`"
+            ) from err
+        # Taken offline, not failed: a network outage should not cost the run; `wandb sync` uploads it later.
         # A new W&B run: the failed one's id stays taken in this process. A resumed run then logs the steps up to its
         # checkpoint from metrics.jsonl into it (start's backfill), as when its earlier W&B run cannot be continued.
         kwargs.update(id=None, resume=None)
