@@ -93,19 +93,23 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
                 f"W&B online: {wandb_auth.server()} refused the run ({reason}); check WANDB_API_KEY or `wandb login`, "
                 "or use WANDB_MODE=offline, then `wandb sync`"
             ) from err
-        # Taken offline, not failed: a network outage should not cost the run; `wandb sync` uploads it later.
-        # A new W&B run: the failed one's id stays taken in this process. A resumed run then logs the steps up to its
-        # checkpoint from metrics.jsonl into it (start's backfill), as when its earlier W&B run cannot be continued.
-        kwargs.update(id=None, resume=None)
-        run = wandb.init(**kwargs, mode="offline", settings=wandb.Settings(silent=True))
-        log.warning(
-            "W&B: no answer from %s within %.0f s (%s); logging offline instead, upload later with: wandb sync %s",
-            run.settings.base_url,
-            waited,
-            reason,
-            Path(run.dir).parent,
-        )
-        return run, {"asked": asked, "mode": "offline", "reason": reason, "waited_s": round(waited, 1)}
+    # Taken offline, not failed: a network outage should not cost the run; `wandb sync` uploads it later.
+    run = _offline_instead(wandb, kwargs)
+    log.warning(
+        "W&B: no answer from %s within %.0f s (%s); logging offline instead, upload later with: wandb sync %s",
+        wandb_auth.server(),
+        waited,
+        reason,
+        Path(run.dir).parent,
+    )
+    return run, {"asked": asked, "mode": "offline", "reason": reason, "waited_s": round(waited, 1)}
+
+
+def _offline_instead(wandb, kwargs: dict):
+    """A new offline W&B run: the failed one's id stays taken in this process. A resumed run then logs the steps up
+    to its checkpoint from metrics.jsonl into it (start's backfill), as when its earlier W&B run cannot be continued.
+    Silent: the warning that follows says what W&B's offline banner would."""
+    return wandb.init(**{**kwargs, "id": None, "resume": None}, mode="offline", settings=wandb.Settings(silent=True))
 
 
 def _first_line(err: Exception) -> str:
