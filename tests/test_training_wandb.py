@@ -6,7 +6,10 @@ import json
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 
 from colocated_grpo.compat import wandb as wandb_log
 from colocated_grpo.launch.processes import free_port
@@ -101,19 +104,21 @@ def test_wandb_online_without_an_api_key_is_refused_in_one_line_before_anything_
     assert not (run.dir / "wandb").exists(), "W&B never started"
 
 
-def test_wandb_online_with_a_server_that_never_answers_falls_back_to_offline_and_trains(train, tmp_path):
+@pytest.mark.parametrize("server", ["never answers", "closed port"])
+def test_wandb_online_with_an_unreachable_server_falls_back_to_offline_and_trains(train, tmp_path, server):
     timeout_s = 3
-    with SilentServer() as server:
+    with SilentServer() if server == "never answers" else nullcontext() as silent:
+        url = silent.url if silent else f"http://127.0.0.1:{free_port()}"
         run = train(
             "vllm=none",
             "trainer.max_steps=2",
             f"logger.init_timeout_s={timeout_s}",
-            env=online(tmp_path, server.url, api_key="k" * 40),
+            env=online(tmp_path, url, api_key="k" * 40),
         )
-        assert server.accepted, "W&B tried the (loopback) server first"
+        assert silent is None or silent.accepted, "W&B tried the (loopback) server first"
     record = json.loads((run.dir / "run.json").read_text())
     wandb = record["wandb"]
-    assert wandb["asked"] == "online" and wandb["mode"] == "offline" and server.url in wandb["reason"]
+    assert wandb["asked"] == "online" and wandb["mode"] == "offline" and url in wandb["reason"]
     assert timeout_s <= wandb["waited_s"] <= timeout_s + 5, "a bounded wait: logger.init_timeout_s, not W&B's 90 s"
     assert record["status"] == "finished" and [m["train/global_step"] for m in run.metrics()] == [1, 2]
     (segment,) = run.dir.glob(f"wandb/offline-run-*-{record['wandb_id']}")
