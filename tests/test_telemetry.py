@@ -9,6 +9,7 @@ from colocated_grpo.telemetry import nvml
 from colocated_grpo.telemetry.aggregate import RankReport, label_samples, steady_state, step_metrics
 from colocated_grpo.telemetry.nvml import Sample
 from colocated_grpo.telemetry.phases import PhaseTracker, StepPhases
+from colocated_grpo.telemetry.step_line import format_line
 
 
 class FakeClock:
@@ -180,6 +181,26 @@ def test_step_metrics_aggregate_two_ranks():
     assert m["gpu/idle_frac"] == pytest.approx(12 / 40)  # util 0 in 3 of 10 seconds on both GPUs
     assert m["memory/peak_gb"] == pytest.approx(20 + 9.75)
     assert m["gpu/0/power_w"] == 300 and m["gpu/samples"] == 40
+
+
+def test_step_line_shows_reward_time_throughput_and_gpu_util_of_the_step():
+    reports = [
+        RankReport(0, recorded_step(), stream("0", 0, 10, UTIL, mem=10), prompt_tokens=1000, completion_tokens=3000),
+        RankReport(1, recorded_step(), stream("1", 0, 10, [u / 2 for u in UTIL], mem=20), 1000, 3000),
+    ]
+    m = {"reward": 0.4123, "loss": 0.1, **step_metrics(reports)}
+    util = (m["gpu/0/util"] + m["gpu/1/util"]) / 2  # the mean over GPUs, not a phase's (gpu/util_train)
+    assert (
+        format_line(2, 3, m)
+        == f"step 2/3 | reward 0.412 | 10.00 s (generate 3.00, train 3.00) | 400 tok/s/GPU | GPU {util:.0f} %"
+    )
+    # on a CPU (no NVML) no GPU part; with telemetry off, TRL's own step time; before any reward, none
+    cpu = step_metrics([RankReport(0, recorded_step(), [], 10, 30)])
+    assert (
+        format_line(1, 3, {"reward": 0.0, **cpu})
+        == "step 1/3 | reward 0 | 10.00 s (generate 3.00, train 3.00) | 4 tok/s/GPU"
+    )
+    assert format_line(5, -1, {"step_time": 1.234}) == "step 5 | 1.23 s"
 
 
 def test_server_gpus_count_as_used_but_not_as_training_gpus():

@@ -65,6 +65,25 @@ def test_default_run_records_phase_timings_and_throughput(default_run):
     assert "final reward" in default_run.output and "upload with: wandb sync" in default_run.output
 
 
+STEP_LINE = re.compile(
+    r"^step (\d+)/(\d+) \| reward (\S+) \| (\d+\.\d\d) s \(generate \S+, train \S+\) \| \S+ tok/s/GPU$"
+)
+
+
+def test_default_run_prints_one_line_per_step_and_writes_the_whole_dicts_to_train_log(default_run):
+    lines = [m for line in default_run.proc.stdout.splitlines() if (m := STEP_LINE.match(line))]
+    metrics = default_run.metrics()
+    assert [(int(m[1]), int(m[2])) for m in lines] == [(1, 3), (2, 3), (3, 3)], default_run.output[-4000:]
+    for m, record in zip(lines, metrics, strict=True):  # the numbers of the step, as metrics.jsonl has them
+        assert float(m[3]) == pytest.approx(record["reward"], abs=5e-3, rel=5e-3)
+        assert float(m[4]) == pytest.approx(record["timing_s/step"], abs=5e-3)
+    assert "{'loss':" not in default_run.output and not re.search(r"\d/3 \[", default_run.output), "no dict, no bar"
+    assert "Run history:" not in default_run.output and "Run summary:" not in default_run.output, "W&B's block"
+    assert "upload with: wandb sync" in default_run.output, "our summary still says how to upload"
+    log = (default_run.dir / "train.log").read_text()
+    assert log.count("{'loss':") == 3 and log.count("trainer totals: {'train_runtime':") == 1
+
+
 def test_default_run_mirrors_metrics_to_wandb_offline(default_run):
     runs = list((default_run.dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, "exactly one offline W&B run inside the run directory"
@@ -106,6 +125,7 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
         assert mark == {"global_step": int(checkpoint.name.split("-")[1]), "ranks": 2}
         assert (checkpoint / "rng_state_1.pth").exists()
     assert [c.step for c in checkpoints.checkpoints(run.dir)] == [2, 4]
+    assert len([line for line in run.proc.stdout.splitlines() if STEP_LINE.match(line)]) == 4, "only rank 0 prints"
     # the CPU engine's tensor-parallel shared memory is named per launch and leaves nothing in /dev/shm
     port = next(a.split("=")[1] for a in run.proc.args if a.startswith("--master_port="))
     assert not list(Path("/dev/shm").glob(f"job{port}-*")), "a later run on this port would fail with errno 17"

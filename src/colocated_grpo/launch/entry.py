@@ -22,6 +22,7 @@ from colocated_grpo.training import runner
 from colocated_grpo.training.config import ConfigError
 from colocated_grpo.training.data import DataError
 from colocated_grpo.training.rewards import RewardError
+from colocated_grpo.training.wandb_logging import WandbError
 
 # Their message says what failed and what to change; a traceback would only push it off the screen. A reward's own
 # traceback (the cause of a RewardError) is shown: it points into the user's code.
@@ -35,6 +36,7 @@ EXPLAINED = (
     StartupMemoryError,
     runner.NothingTrained,
     server_placement.ServerError,
+    WandbError,
 )
 
 

@@ -57,6 +57,7 @@ MAY_CHANGE = (
     "run.cache_dir",
     "logger.tags",
     "logger.group",
+    "logger.init_timeout_s",
 )
 
 

@@ -35,6 +35,7 @@ class MetricsFileCallback(TrainerCallback):
         self.extras = list(extras)
         self.steady = aggregate.SteadyState(warmup_steps)
         self.writer: JsonlWriter | None = None
+        self.last: dict = {}  # the record of the latest step (telemetry/step_line.py prints it)
         self.start_step = 0  # the step this attempt started from (a resume's checkpoint step)
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -59,6 +60,7 @@ class MetricsFileCallback(TrainerCallback):
         for extra in self.extras:
             record.update(extra())
         self.writer.write(record)
+        self.last = record
         self.steady.add(record)
         self.write_summary()
 

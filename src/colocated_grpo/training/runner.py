@@ -26,6 +26,7 @@ from colocated_grpo.resilience import (
     wandb_rewind,
 )
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
+from colocated_grpo.telemetry import step_line
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
 from colocated_grpo.training import adapters, backends, config, models, preflight, rewards, rollout_log, wandb_logging
@@ -48,11 +49,12 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     main = is_main_process()
     if main:  # Hydra wrote its record before any code of ours ran: no credential stays in it, even if refused below
         redaction.scrub_files(run_dir / run_files.HYDRA)
-    backends.single_process_rendezvous(cfg)  # ZeRO-3 in a plain `python train.py`: rank 0 of 1, as torchrun
+    backends.single_process_rendezvous(cfg)  # a plain `python train.py`: its own rendezvous port, as torchrun gives
     world = launched_world_size(cfg)
     with _refusals_recorded(run_dir, main):
         config.validate(cfg, world)
         _refuse_gpu_only_settings_without_gpu(cfg)
+        wandb_logging.refuse_online_without_credentials(cfg)
     with _refusals_recorded(run_dir, main):  # refused before the data is built (its run.json is kept)
         resume = checkpoints.plan(cfg, run_dir, main)
     with _refusals_recorded(run_dir, main):
@@ -95,8 +97,11 @@ def _run(
     record = attempts.RunRecord(run_dir, metadata, resume, write=main)
     if main:
         attempts.prepare_run_dir(cfg, run_dir, resume)
-    wandb_run = wandb_logging.start(cfg, run_dir, metadata, resume) if main else None
+    with _refusals_recorded(run_dir, main):  # W&B refused (e.g. a key its server rejects): run.json says so
+        wandb_run, wandb_outcome = wandb_logging.start(cfg, run_dir, metadata, resume) if main else (None, None)
     record.start(wandb_run)
+    if wandb_outcome is not None:  # the mode asked for and the one it logs in (offline when the server did not answer)
+        record.note(wandb=wandb_outcome)
     if prepared.prompts is not None:
         record.note(prompts=prepared.prompts)  # how long the prompts are, and what was dropped or truncated
 
@@ -214,6 +219,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
         trainer.add_callback(telemetry)
         metrics_file.extras.append(telemetry.pop_step_metrics)
+    step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
     return trainer
 
 

@@ -1,40 +1,72 @@
 """Weights & Biases on rank 0: offline unless WANDB_MODE says otherwise, files inside the run directory, the same
-W&B run continued when a run is resumed."""
+W&B run continued when a run is resumed.
+
+Online without credentials is refused before anything loads; online with a server that does not answer within
+`logger.init_timeout_s` falls back to offline (the run keeps everything for `wandb sync`). run.json's `wandb` says
+which mode was asked for and which one the run logs in."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from colocated_grpo.compat import wandb_auth
 from colocated_grpo.resilience import wandb_rewind
 from colocated_grpo.resilience.checkpoints import Resume
 from colocated_grpo.resilience.redaction import redact
 
 log = logging.getLogger(__name__)
 
+ONLINE = ("online", "run", "shared")  # W&B's modes that need its server ("run" is its old name for online)
+INIT_TIMEOUT_S = 20.0  # logger.init_timeout_s when unset; W&B's own default waits 90 s, then fails the run
+
+
+class WandbError(RuntimeError):
+    """W&B cannot run as asked; the message is one line that says what to do."""
+
+
+def asked_mode() -> str:
+    return os.environ.get("WANDB_MODE", "offline")
+
+
+def refuse_online_without_credentials(cfg: DictConfig) -> None:
+    """Every rank, with the config checks: W&B online with no API key stops the run before anything loads."""
+    if cfg.logger.backend != "wandb" or asked_mode() not in ONLINE:
+        return
+    # Refused, not taken offline: asking for online without a key is a mistake best heard at once, not after training.
+    if (problem := wandb_auth.missing_credentials()) is not None:
+        raise WandbError(
+            f"W&B online needs an API key ({problem}): `wandb login` or WANDB_API_KEY; "
+            "or use WANDB_MODE=offline, then `wandb sync`"
+        )
+
 
 def start(cfg: DictConfig, run_dir: Path, metadata: dict, resume: Resume):
-    """Start the W&B run (rank 0 only) that TRL's reporting will then use; None when W&B is off.
+    """Start the W&B run (rank 0 only) that TRL's reporting will then use: (run, what run.json records as `wandb`),
+    or (None, None) when W&B is off.
 
     When resuming, the W&B run of the earlier attempts is continued (resume="allow") rather than started anew, with
     no step missing up to the checkpoint.
     """
     if cfg.logger.backend != "wandb":
-        return None
-    run = _init(cfg, run_dir, metadata, resume.wandb_id)
+        return None, None
+    run, outcome = _init(cfg, run_dir, metadata, resume.wandb_id)
     if resume.resuming and (backfilled := wandb_rewind.backfill(run, run_dir, resume.step)):
         log.info("W&B: logged steps %s from metrics.jsonl (missing from the earlier segments)", backfilled)
-    return run
+    return run, outcome
 
 
 def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
     os.environ.setdefault("WANDB_MODE", "offline")
     import wandb
 
-    return wandb.init(
+    asked = asked_mode()
+    timeout = float(cfg.logger.get("init_timeout_s") or INIT_TIMEOUT_S)
+    kwargs = dict(
         project=cfg.logger.project,
         entity=cfg.logger.get("entity"),
         group=cfg.logger.get("group"),
@@ -45,6 +77,43 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
         resume="allow" if run_id else None,
         config=redact({"cfg": OmegaConf.to_container(cfg, resolve=True), **metadata}),
     )
+    started = time.monotonic()
+    try:
+        # quiet: no run history and summary block at the end (our own summary follows, with the `wandb sync` line)
+        run = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=timeout, quiet=True))
+        return run, {"asked": asked, "mode": asked}
+    except wandb.errors.CommError as err:
+        if asked not in ONLINE:
+            raise
+        waited, reason = time.monotonic() - started, _first_line(err)
+        # W&B retries an unreachable server until init_timeout; an answer it does not retry (401: a rejected key) is
+        # the user's to fix, and refused like a missing key
+        if not (waited >= timeout or reason.startswith("Timed out")):
+            raise WandbError(
+                f"W&B online: {wandb_auth.server()} refused the run ({reason}); check WANDB_API_KEY or `wandb login`, "
+                "or use WANDB_MODE=offline, then `wandb sync`"
+            ) from err
+    # Taken offline, not failed: a network outage should not cost the run; `wandb sync` uploads it later.
+    run = _offline_instead(wandb, kwargs)
+    log.warning(
+        "W&B: no answer from %s within %.0f s (%s); logging offline instead, upload later with: wandb sync %s",
+        wandb_auth.server(),
+        waited,
+        reason,
+        Path(run.dir).parent,
+    )
+    return run, {"asked": asked, "mode": "offline", "reason": reason, "waited_s": round(waited, 1)}
+
+
+def _offline_instead(wandb, kwargs: dict):
+    """A new offline W&B run: the failed one's id stays taken in this process. A resumed run then logs the steps up
+    to its checkpoint from metrics.jsonl into it (start's backfill), as when its earlier W&B run cannot be continued.
+    Silent: the warning that follows says what W&B's offline banner would."""
+    return wandb.init(**{**kwargs, "id": None, "resume": None}, mode="offline", settings=wandb.Settings(silent=True))
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def finish(run, exit_code: int) -> None:
