@@ -18,6 +18,7 @@ import pytest
 from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
 from colocated_grpo.run_files import read_jsonl
 
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -85,8 +86,11 @@ def run_env(model_cache) -> dict:
 def run_environment(model_cache: Path) -> dict:
     """The environment of a run or sweep in the tests: the session's model cache, W&B offline, unbuffered output."""
     plugins = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
+    # A rendezvous left in this process's environment (accelerate sets RANK, LOCAL_RANK, MASTER_PORT, … when a test
+    # builds a multi-process CPU state in-process) is not handed on: each run starts as a user's would.
+    inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS and not k.startswith("TORCHELASTIC_")}
     return {
-        **os.environ,
+        **inherited,
         "COLOCATED_GRPO_CACHE": str(model_cache),
         "WANDB_MODE": "offline",
         "PYTHONUNBUFFERED": "1",

@@ -117,12 +117,15 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
     logging.getLogger().addHandler(handler)
     try:
         # one process: the message alone for an error that explains itself, the traceback too for any other
-        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        monkeypatch.setenv("LOCAL_RANK", "0")  # left over in the environment: still no torchrun launch
         console.report_failure(_raised(_Explained("what to change")), explained=True)
         console.report_failure(_raised(KeyError("surprise")), explained=False)
         err = capsys.readouterr().err
         assert err.startswith("_Explained: what to change\nTraceback (most recent call last):")
         assert err.rstrip().endswith("KeyError: 'surprise'") and err.count("Traceback") == 1
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch")
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
         # two ranks of one torchrun launch (same parent) fail: the first to report says it, the other stays quiet
         monkeypatch.setattr(console, "OTHER_RANKS_WAIT_S", 0)
         claims = tmp_path / "claims"
@@ -141,7 +144,7 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
         assert capsys.readouterr().err == "_Explained: on rank 1\n"
         assert json.loads(error_file.read_text())["message"]["message"] == "_Explained: on rank 1"
         agent = psutil.Process(os.getppid())
-        live = f"colocated-grpo-failure-{agent.pid}-{agent.create_time():.0f}"
+        live = f"colocated-grpo-failure-{agent.pid}-{agent.create_time():.0f}-0"
         assert [p.name for p in claims.iterdir()] == [live], "the live launch's claim stays, the ended one's is gone"
     finally:
         logging.getLogger().removeHandler(handler)

@@ -93,7 +93,7 @@ def _rank() -> int:
 def _first_to_report() -> bool:
     """Whether this process reports its launch's failure: always when it is the only process, else the first of the
     launch's processes on this node to claim it (rank 0 gets a head start)."""
-    if "LOCAL_RANK" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not started by torchrun (a LOCAL_RANK alone may be left over)
         return True
     if _rank() != 0:
         time.sleep(OTHER_RANKS_WAIT_S)
@@ -103,7 +103,8 @@ def _first_to_report() -> bool:
     # The claim must outlive the reporting rank (another rank may fail minutes later, at a collective's timeout), so
     # it stays while its agent lives: outside the run directory, and removed by a later claim once the agent is gone.
     _remove_claims_of_ended_agents()
-    claim = CLAIMS_DIR / f"{CLAIM_PREFIX}{agent.pid}-{agent.create_time():.0f}"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent restarting its workers: a new launch
+    claim = CLAIMS_DIR / f"{CLAIM_PREFIX}{agent.pid}-{agent.create_time():.0f}-{restart}"
     try:
         os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
@@ -117,7 +118,7 @@ def _remove_claims_of_ended_agents() -> None:
     import psutil
 
     for claim in CLAIMS_DIR.glob(f"{CLAIM_PREFIX}*-*"):
-        pid, _, started = claim.name.removeprefix(CLAIM_PREFIX).partition("-")
+        pid, started, *_ = [*claim.name.removeprefix(CLAIM_PREFIX).split("-"), ""]
         try:
             alive = f"{psutil.Process(int(pid)).create_time():.0f}" == started
         except (ValueError, psutil.Error):
