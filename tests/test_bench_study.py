@@ -136,7 +136,7 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, t
         yaml.safe_dump(
             {
                 "models": ["tiny"],
-                "common": ["logger=none"],
+                "common": ["logger=none", "vllm=none"],  # the study's plumbing: no engine needed
                 "baseline": "long",
                 "cases": {"long": ["trainer.max_steps=500"], "next": []},
             }

@@ -175,6 +175,7 @@ def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(run_env, tmp_path):
         "seed=0,1",
         "trainer.max_steps=500",
         "logger=none",
+        "vllm=none",  # the launcher's plumbing: no engine needed
         "hydra.launcher.stop_grace_s=20",
     ]
     parent = start_own_session(cmd, tmp_path, run_env)
