@@ -754,3 +754,19 @@ def test_sigterm_while_a_run_ends_lets_a_quick_ending_finish_and_stops_a_hung_on
     if code:
         assert took < 20, "stopped once the grace ran out, not after the hung call"
         assert "SIGTERM: the run's ending (run files, W&B, process group) took over 2 s; stopped" in proc.stderr
+
+
+def test_only_a_write_that_failed_is_taken_for_a_full_disk(tmp_path, monkeypatch):
+    """On a nearly full disk, torch's writer error (no errno) is a full disk; a reward's error stays its own."""
+    from colocated_grpo.resilience import disk_full
+
+    usage = SimpleNamespace(total=8 * 2**20, free=2**10)
+    monkeypatch.setattr(disk_full.shutil, "disk_usage", lambda path: usage)
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1121024 vs 1120912")
+    full = disk_full.explain(torch_save, tmp_path, "checkpoint-1")
+    assert str(full).startswith(f"no space left on the disk of the run directory {tmp_path} (0.0 MiB free of 8.0 MiB")
+    assert disk_full.explain(ZeroDivisionError("odd answers are not handled"), tmp_path, "checkpoint-1") is None
+    enospc = OSError(28, "No space left on device")
+    usage.free = 2**30  # ENOSPC says so itself, whatever the space left now (a quota, a filesystem freed since)
+    assert disk_full.explain(enospc, tmp_path, "the start") is not None
+    assert disk_full.explain(torch_save, tmp_path, "the start") is None

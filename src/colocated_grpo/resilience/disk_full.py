@@ -10,6 +10,7 @@ same command once there is room.
 from __future__ import annotations
 
 import errno
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from colocated_grpo.compat.vllm import exception_chain
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NEARLY_FULL_BYTES = 64 * 2**20  # a writer that failed with less than this left is taken to have run out of space
+# torch.save's errors when its file cannot grow: no errno, only the C++ stream's words
+TORCH_WRITER_FAILED = re.compile(r"iostream error|inline_container\.cc|PytorchStreamWriter failed")
 
 
 class DiskFull(RuntimeError):
@@ -26,9 +29,11 @@ class DiskFull(RuntimeError):
 def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | None:
     """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None."""
     chain = list(exception_chain(exc))
-    by_errno = next((e for e in chain if isinstance(e, OSError) and e.errno in FULL_ERRNOS), None)
+    by_errno = any(isinstance(e, OSError) and e.errno in FULL_ERRNOS for e in chain)
+    a_write_failed = any(isinstance(e, OSError) or TORCH_WRITER_FAILED.search(str(e)) for e in chain)
     usage = _usage(run_dir)
-    if by_errno is None and (usage is None or usage.free >= NEARLY_FULL_BYTES):
+    nearly_full = usage is not None and usage.free < NEARLY_FULL_BYTES
+    if not (by_errno or (a_write_failed and nearly_full)):  # any other error on a nearly full disk is its own
         return None
     space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB" if usage else "free space unknown"
     first = chain[-1]  # the first error raised: what was being written when the space ran out
