@@ -5,6 +5,7 @@ joins them, and their JSON / JSONL I/O. The local files are the source of truth 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -112,6 +113,15 @@ def flatten(tree: dict, sep: str = ".", prefix: str = "") -> dict:
         else:
             flat[name] = value
     return flat
+
+
+def log_to_files(logger: logging.Logger, level: int, message: str, exc_info=None) -> None:
+    """A log record for the run's log files only (the root logger's file handlers: Hydra's train.log), not for the
+    console."""
+    record = logger.makeRecord(logger.name, level, __file__, 0, message, (), exc_info)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def now() -> str:

@@ -27,6 +27,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from colocated_grpo import run_files
+
 log = logging.getLogger(__name__)
 
 OTHER_RANKS_WAIT_S = 2.0  # a failing rank other than 0 lets a failing rank 0 report first
@@ -63,7 +65,7 @@ def report_failure(exc: BaseException, explained: bool, show_cause: bool = False
     """Log `exc` with its traceback to the log files; print it on the console once per launch (a traceback only
     when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward)."""
     line = f"{type(exc).__name__}: {exc}"
-    _log_to_files(exc)
+    run_files.log_to_files(log, logging.ERROR, "run failed", (type(exc), exc, exc.__traceback__))
     if not _first_to_report():
         return
     if not explained:
@@ -126,10 +128,3 @@ def _remove_claims_of_ended_agents() -> None:
         if not alive:
             with contextlib.suppress(OSError):  # another user's, in a shared temp dir: theirs to remove
                 claim.unlink()
-
-
-def _log_to_files(exc: BaseException) -> None:
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run failed", (), (type(exc), exc, exc.__traceback__))
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)

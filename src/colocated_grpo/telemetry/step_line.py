@@ -13,6 +13,8 @@ import re
 
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
+from colocated_grpo import run_files
+
 log = logging.getLogger(__name__)
 
 PHASES_SHOWN = ("generate", "train")  # the two that dominate a GRPO step; all of them are in metrics.jsonl
@@ -53,16 +55,8 @@ class StepLine(TrainerCallback):
             return
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in logs.items() if k != "total_flos"}
         if "train_runtime" in logs:  # the trainer's totals: the end-of-run summary says what matters of them
-            _to_log_files(f"trainer totals: {shown}")
+            run_files.log_to_files(log, logging.INFO, f"trainer totals: {shown}")
             return
         line = format_line(state.global_step, state.max_steps, {**logs, **self.metrics_file.last})
         print(line, flush=True)
-        _to_log_files(f"{line}\n{shown}")
-
-
-def _to_log_files(message: str) -> None:
-    """To the log files only (the root logger's file handlers: Hydra's train.log), not to the console."""
-    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+        run_files.log_to_files(log, logging.INFO, f"{line}\n{shown}")

@@ -222,12 +222,10 @@ def _raised(name: str, exc: Exception, texts: list[str], columns: dict) -> Rewar
     return error
 
 
-def _row(columns: dict, i: int, n: int) -> dict:
-    return {k: v[i : i + 1] for k, v in columns.items() if isinstance(v, list) and len(v) == n}
-
-
 def _sample(texts: list[str], columns: dict, i: int) -> str:
-    row = {k: v[0] for k, v in _row(columns, i, len(texts)).items() if k != "completion_ids"}
+    """Sample i of a batch: its completion and its own value of each per-sample column."""
+    n = len(texts)
+    row = {k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n and k != "completion_ids"}
     return f"sample {i}: completion={texts[i][:200]!r} columns={row}"
 
 
