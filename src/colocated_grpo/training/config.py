@@ -400,13 +400,12 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         from colocated_grpo.compat.vllm import fast_output_kwargs
 
         ours.update(fast_output_kwargs())
-        if stops and users.get("detokenize", ours.get("detokenize")) is False:
-            if "detokenize" in users:
-                raise ConfigError(
-                    ["trainer.generation_kwargs: stop strings need detokenize=true (vLLM matches them on the text)"]
-                )
-            del ours["detokenize"]  # vLLM matches stop strings on the text; flat log-probs stay
+        if stops and ours.pop("detokenize", None) is not None:  # vLLM matches stop strings on the text
             log.info("placement.fast_outputs keeps the text detokenized: trainer.generation_kwargs.stop needs it")
+    if stops and users.get("detokenize") is False:
+        raise ConfigError(
+            ["trainer.generation_kwargs: stop strings need detokenize=true (vLLM matches them on the text)"]
+        )
     if ours or users:
         kwargs["generation_kwargs"] = {**ours, **users}
     ours = {
