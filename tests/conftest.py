@@ -190,6 +190,18 @@ def kill_tree(proc: subprocess.Popen) -> None:
             p.kill()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=30)
+    # SIGKILL is delivered asynchronously: return once every process is gone (or a zombie its new parent, not
+    # always a reaping init in a container, has yet to collect)
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def start_own_session(cmd: list[str], cwd: Path, env: dict, **popen) -> subprocess.Popen:
