@@ -249,9 +249,9 @@ HELD_PORT = """
 import os, socket
 import torch, torch.distributed as dist
 from omegaconf import OmegaConf
-from colocated_grpo.training import backends
+from colocated_grpo.training import runner
 
-set_ = backends.single_process_rendezvous(OmegaConf.create({"parallelism": {"name": "ddp"}}))
+set_ = runner.single_process_rendezvous(OmegaConf.create({"parallelism": {"name": "ddp"}}))
 port = int(os.environ["MASTER_PORT"])
 try:
     socket.create_server(("127.0.0.1", port)).close()

@@ -58,7 +58,11 @@ def main(cfg: DictConfig) -> None:
         if server_placement.is_launcher(cfg):
             server_placement.run_placement(cfg, run_dir)
         else:
-            runner.run_and_exit(cfg)
+            runner.run(cfg)
+            # A finished run ends its process at once: its files, W&B and process group are closed by then, and the
+            # interpreter's own teardown can still abort it on native threads left by vLLM and the collectives
+            # ("terminate called without an active exception", exit -6), which a sweep would record as failed.
+            console.exit_now(0)
     except TrainingInterrupted as stopped:  # already said, with the command that resumes it
         console.exit_now(stopped.code)
     except KeyboardInterrupt as stop:  # SIGTERM in start-up, a signal repeated in training, a second Ctrl-C

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -26,10 +28,11 @@ from colocated_grpo.resilience import (
     wandb_rewind,
 )
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
+from colocated_grpo.run_files import STEP_KEY, JsonlWriter
 from colocated_grpo.telemetry import step_line
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
-from colocated_grpo.training import adapters, backends, config, models, preflight, rewards, rollout_log, wandb_logging
+from colocated_grpo.training import adapters, config, models, preflight, rewards, wandb_logging
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +52,30 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     main = is_main_process()
     if main:  # Hydra wrote its record before any code of ours ran: no credential stays in it, even if refused below
         redaction.scrub_files(run_dir / run_files.HYDRA)
-    backends.single_process_rendezvous(cfg)  # a plain `python train.py`: its own rendezvous port, as torchrun gives
+    single_process_rendezvous(cfg)  # a plain `python train.py`: its own rendezvous port, as torchrun gives
     world = launched_world_size(cfg)
+
+    # Checks, before W&B starts and the model loads: a refusal is recorded in run.json.
     with _refusals_recorded(run_dir, main):
         config.validate(cfg, world)
         _refuse_gpu_only_settings_without_gpu(cfg)
         wandb_logging.refuse_online_without_credentials(cfg)
-    with _refusals_recorded(run_dir, main):  # refused before the data is built (its run.json is kept)
-        resume = checkpoints.plan(cfg, run_dir, main)
-    with _refusals_recorded(run_dir, main):
-        # the dataset, each prompt's length and TRL's own rules, still before W&B starts and the model loads
-        prepared = preflight.prepare(cfg, run_dir, report_to(cfg))
-    if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
-        run_dir_guard.claim(run_dir)
-    return _run(cfg, run_dir, main, world, prepared, resume)
+        resume = checkpoints.plan(cfg, run_dir, main)  # refused before the data is built (its run.json is kept)
+        prepared = preflight.prepare(cfg, run_dir, report_to(cfg))  # the dataset, prompt lengths, TRL's own rules
+    resume_command = attempts.resume_command(run_dir)  # before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE
+    _prepare_environment(cfg)
+
+    with _recorded(cfg, run_dir, main, world, prepared, resume, resume_command) as training:
+        trainer = build_trainer(cfg, run_dir, prepared)
+        training.built(trainer)
+        add_callbacks(trainer, cfg, run_dir, training.stopper)
+        if training.stopper.signum is None:  # no SIGTERM or Ctrl-C came while the model and the engine loaded
+            checkpoint = resume.checkpoint
+            trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
+
+    if main:
+        log.info("%s", end_of_run_summary(run_dir, training.wandb_run))
+    return run_dir
 
 
 @contextmanager
@@ -79,12 +92,39 @@ def _refusals_recorded(run_dir: Path, main: bool):
         raise
 
 
-def _run(
-    cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: preflight.Prepared, resume: checkpoints.Resume
-) -> Path:
-    resume_command = attempts.resume_command(run_dir)
-    _prepare_environment(cfg)
+class _Training:
+    """What the training block and its bookkeeping share: the run record, the signal handler, the W&B run, and the
+    trainer once built."""
 
+    def __init__(self, record: attempts.RunRecord, wandb_run):
+        self.record, self.wandb_run = record, wandb_run
+        self.stopper = preemption.StopOnSignal()
+        self.trainer = None
+
+    def built(self, trainer) -> None:
+        """Keep the trainer (its state says how training ended); run.json notes how it runs."""
+        self.trainer = trainer
+        # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
+        self.record.note(distributed_type=trainer.accelerator.distributed_type.value)
+        if (engine := trl_internals.engine_config(trainer)) is not None:  # eager: without torch.compile
+            self.record.note(vllm_enforce_eager=bool(engine.model_config.enforce_eager))
+
+
+@contextmanager
+def _recorded(
+    cfg: DictConfig,
+    run_dir: Path,
+    main: bool,
+    world: int,
+    prepared: preflight.Prepared,
+    resume: checkpoints.Resume,
+    resume_command: str,
+):
+    """The bookkeeping around training: the run directory held, run.json (this attempt, its status and error), the
+    W&B run started and finished, SIGTERM and Ctrl-C handled, the process group closed. A signal ends the run with
+    TrainingInterrupted, a run that trained no step with NothingTrained, a full disk with DiskFull."""
+    if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
+        run_dir_guard.claim(run_dir)
     metadata = {
         "placement": cfg.placement.name,
         "world_size": world,
@@ -105,26 +145,15 @@ def _run(
     if prepared.prompts is not None:
         record.note(prompts=prepared.prompts)  # how long the prompts are, and what was dropped or truncated
 
-    stopper = preemption.StopOnSignal()
+    training = _Training(record, wandb_run)
+    stopper = training.stopper
     status, exit_code, error, interrupted = "failed", 1, None, None
     try:
         with stopper.installed():
-            trainer = _start_trainer(cfg, run_dir, prepared)
-            console.quiet_tied_weights_on_resume(trainer.model)
-            # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
-            record.note(distributed_type=trainer.accelerator.distributed_type.value)
-            if (engine := trl_internals.engine_config(trainer)) is not None:  # eager: without torch.compile
-                record.note(vllm_enforce_eager=bool(engine.model_config.enforce_eager))
-            trainer.add_callback(wandb_rewind.RecordWandbStep())
-            trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
-            if cfg.run.stop_on_nonfinite:
-                trainer.add_callback(StopOnNonFinite())
-            trainer.add_callback(stopper)
-            if stopper.signum is None:
-                checkpoint = resume.checkpoint
-                trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
-        interrupted = attempts.interruption(stopper, trainer.state, run_dir, resume_command)
-        if interrupted is None and trainer.state.global_step == 0:
+            yield training
+        state = training.trainer.state
+        interrupted = attempts.interruption(stopper, state, run_dir, resume_command)
+        if interrupted is None and state.global_step == 0:
             raise NothingTrained(
                 "training ended without training a step: the dataset holds fewer prompts than one generation batch "
                 "(trainer.per_device_train_batch_size × processes × steps_per_generation / trainer.num_generations); "
@@ -148,9 +177,80 @@ def _run(
         if main:
             log.error("%s", interrupted)
         raise interrupted
-    if main:
-        log.info("%s", end_of_run_summary(run_dir, wandb_run))
-    return run_dir
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
+    """The model, the rewards and the prepared data → TRL's GRPOTrainer, with our changes to its engine; a memory
+    failure of vLLM's start-up is explained in terms of our config keys."""
+    from trl import GRPOTrainer
+
+    model_path = models.resolve(cfg.model)
+    reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
+    if is_main_process():
+        reward_funcs[0] = _recording_rollouts(reward_funcs[0], run_dir)
+    args = prepared.args
+    try:
+        trainer = GRPOTrainer(
+            model=model_path,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=prepared.dataset,
+            peft_config=adapters.peft_config(cfg),  # the peft group: LoRA adapters, or None
+        )
+    except Exception as exc:
+        if (explained := startup_errors.explain_startup_error(exc, cfg)) is None:
+            raise
+        raise explained from exc
+    console.quiet_tied_weights_on_resume(trainer.model)
+    trl_internals.reseed_generation(trainer, int(cfg.seed))
+    if (args.generation_kwargs or {}).get("flat_logprobs"):  # placement.fast_outputs, or the user's own request
+        trl_internals.install_flat_logprob_reader()
+    if cfg.placement.get("fast_sync"):
+        chunk_bytes = int(float(cfg.placement.sync_chunk_gb) * 2**30)
+        how = trl_internals.install_fast_sync(trainer, chunk_bytes)
+        log.info("weight sync: %s", how or "TRL's own (no batched sync for this backend)")
+    return trainer
+
+
+def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.StopOnSignal) -> None:
+    """Every callback of ours, in the order they run: the run files and the telemetry that feeds them, the step line,
+    the W&B step, the checkpoint marked complete, the non-finite guard and the signal handler."""
+    metrics_file = MetricsFileCallback(run_dir, warmup_steps=int(cfg.telemetry.warmup_steps))
+    trainer.add_callback(metrics_file)
+    if cfg.telemetry.enabled:
+        t = cfg.telemetry
+        telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
+        trainer.add_callback(telemetry)
+        metrics_file.extras.append(telemetry.pop_step_metrics)
+    step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
+    trainer.add_callback(wandb_rewind.RecordWandbStep())
+    trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
+    if cfg.run.stop_on_nonfinite:
+        trainer.add_callback(StopOnNonFinite())
+    trainer.add_callback(stopper)
+
+
+def _recording_rollouts(reward_fn, run_dir: Path):
+    """`reward_fn` that also appends each call's prompts and completions to rollouts.jsonl (to read what the policy
+    wrote, and to check that seeds replicate)."""
+    writer = JsonlWriter(run_dir / run_files.ROLLOUTS)
+
+    @functools.wraps(reward_fn)
+    def reward(prompts, completions, **columns):
+        scores = reward_fn(prompts, completions, **columns)
+        state = columns.get("trainer_state")
+        writer.write(
+            {
+                # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
+                STEP_KEY: state.global_step + 1 if state is not None else None,
+                "prompts": [p if isinstance(p, str) else p[-1]["content"] for p in prompts],
+                "completions": [rewards.completion_text(c) for c in completions],
+                reward_fn.__name__: scores,
+            }
+        )
+        return scores
+
+    return reward
 
 
 def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
@@ -178,49 +278,44 @@ def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
     return "\n".join(lines)
 
 
-def run_and_exit(cfg: DictConfig) -> None:
-    """`run`, then end the process at once when it finished: the run's files, W&B and process group are closed by
-    then, and the interpreter's own teardown can still abort a finished run on native threads left by vLLM and the
-    collectives ("terminate called without an active exception", exit -6), which a sweep would record as failed."""
-    run(cfg)
-    console.exit_now(0)
-
-
 def report_to(cfg: DictConfig) -> list[str]:
     return ["wandb"] if cfg.logger.backend == "wandb" and is_main_process() else []
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
-    from trl import GRPOTrainer
+# The rendezvous of a plain `python train.py` (one process, no launcher): what torchrun would give it. The colocated
+# engine (and DeepSpeed) form a process group through `env://`, on MASTER_PORT. Left to TRL, a free port is looked
+# for among fixed ones (29500 first) and bound seconds later, when the engine starts: two runs started together pick
+# the same one and the second dies after loading its model (EADDRINUSE). Instead this process hosts the rendezvous
+# store itself, as torchrun's agent does, on a port the kernel picks and this process holds until it ends; `env://`
+# then connects to it (TORCHELASTIC_USE_AGENT_STORE). A MASTER_PORT given by the user is left alone.
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
-    model_path = models.resolve(cfg.model)
-    reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
-    if is_main_process():
-        reward_funcs[0] = rollout_log.recording(reward_funcs[0], run_dir)
-    args, train_dataset = prepared.args, prepared.dataset
-    metrics_file = MetricsFileCallback(run_dir, warmup_steps=int(cfg.telemetry.warmup_steps))
-    trainer = GRPOTrainer(
-        model=model_path,
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=train_dataset,
-        callbacks=[metrics_file],
-        peft_config=adapters.peft_config(cfg),  # the peft group: LoRA adapters, or None
-    )
-    trl_internals.reseed_generation(trainer, int(cfg.seed))
-    if (args.generation_kwargs or {}).get("flat_logprobs"):  # placement.fast_outputs, or the user's own request
-        trl_internals.install_flat_logprob_reader()
-    if cfg.placement.get("fast_sync"):
-        chunk_bytes = int(float(cfg.placement.sync_chunk_gb) * 2**30)
-        how = trl_internals.install_fast_sync(trainer, chunk_bytes)
-        log.info("weight sync: %s", how or "TRL's own (no batched sync for this backend)")
-    if cfg.telemetry.enabled:
-        t = cfg.telemetry
-        telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
-        trainer.add_callback(telemetry)
-        metrics_file.extras.append(telemetry.pop_step_metrics)
-    step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
-    return trainer
+_held_stores = []  # the rendezvous store this process hosts, alive as long as the process
+
+
+def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
+    """Set what a one-process run needs and returns what was set; processes a launcher started are left as they are.
+    Every such run gets MASTER_ADDR / MASTER_PORT of a store held here (unless MASTER_PORT is set); ZeRO-3 also gets
+    the variables `torchrun --nproc_per_node=1` sets (rank 0 of 1): without them DeepSpeed's init_distributed falls
+    back to MPI discovery and fails on `import mpi4py`."""
+    if "RANK" in os.environ:
+        return {}
+    values = {}
+    if "MASTER_PORT" not in os.environ:
+        values.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_host_store("127.0.0.1")), **{AGENT_STORE: "True"})
+    if str(cfg.parallelism.name).startswith("zero3"):
+        values.update({k: v for k, v in zip(RENDEZVOUS[:4], ("0", "0", "1", "1"), strict=True) if k not in os.environ})
+    os.environ.update(values)
+    return values
+
+
+def _host_store(host: str) -> int:
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, world_size=1, is_master=True, timeout=timedelta(minutes=30), wait_for_workers=False)
+    _held_stores.append(store)
+    return store.port
 
 
 def launched_world_size(cfg: DictConfig) -> int:
@@ -286,14 +381,3 @@ def _explain_disk_full(exc: Exception, run_dir: Path, main: bool) -> disk_full.D
     if full is not None and main:
         checkpoints.remove_incomplete(run_dir)
     return full
-
-
-def _start_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
-    """build_trainer, with memory failures of vLLM's start-up explained in terms of our config keys."""
-    try:
-        return build_trainer(cfg, run_dir, prepared)
-    except Exception as exc:
-        explained = startup_errors.explain_startup_error(exc, cfg)
-        if explained is None:
-            raise
-        raise explained from exc
