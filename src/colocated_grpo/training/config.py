@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import importlib.util
 import logging
 import os
+import typing
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -89,11 +92,17 @@ def _missing_keys(node, prefix: str = "") -> list[str]:
     return keys
 
 
+@functools.cache
 def grpo_fields() -> dict:
-    """trl.GRPOConfig's init fields: name -> (annotation, default)."""
+    """trl.GRPOConfig's init fields: name -> (annotation, default; MISSING where it has none)."""
     from trl import GRPOConfig
 
-    return field_types.dataclass_fields(GRPOConfig)
+    hints = typing.get_type_hints(GRPOConfig)
+    return {
+        f.name: (hints[f.name], f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+        for f in dataclasses.fields(GRPOConfig)
+        if f.init
+    }
 
 
 def trainer_field_problems(trainer: DictConfig) -> list[str]:
@@ -295,8 +304,6 @@ def backend_problems(cfg: DictConfig) -> list[str]:
 
 
 def _adapter_option_problems(cfg: DictConfig, kind: str) -> list[str]:
-    import dataclasses
-
     import peft
 
     fields = {f.name for f in dataclasses.fields(getattr(peft, adapters.CONFIG_CLASSES[kind]))}

@@ -4,52 +4,49 @@ with its key before anything loads instead of failing deep inside TRL or transfo
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
+import json
 import types
 import typing
 from typing import Any, Literal, Union
 
+import pydantic
+
 
 def fits(value: Any, annotation: Any) -> bool:
     """True when `value` (as OmegaConf gives it: int, float, bool, str, None, list, dict) can be passed as a value of
-    `annotation`. Types this does not know (classes of objects, callables) pass: their owner checks them."""
-    if annotation is Any or annotation is dataclasses.MISSING:
+    `annotation`. pydantic reads it as the JSON it is, strictly: an integer is a number, true is no integer, an enum
+    is given by its value. Types with no JSON form (classes of objects, callables) pass: their owner checks them."""
+    adapter = _adapter(_by_value(annotation))
+    if adapter is None:
         return True
-    origin = typing.get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        return any(fits(value, a) for a in _alternatives(annotation))
-    if origin is Literal:
-        return value in typing.get_args(annotation)
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return value in {m.value for m in annotation}
-    if annotation in (list, tuple) or origin in (list, tuple):
-        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
-        return isinstance(value, list | tuple) and all(fits(v, args[0]) for v in value) if args else True
-    if annotation is dict or origin is dict:
-        return isinstance(value, dict)
+    try:
+        adapter.validate_json(json.dumps(value), strict=True)
+    except pydantic.ValidationError:
+        return False
     return True
+
+
+@functools.cache
+def _adapter(annotation: Any) -> pydantic.TypeAdapter | None:
+    try:
+        adapter = pydantic.TypeAdapter(annotation)
+        adapter.json_schema()  # refuses callables, which no config value can be
+    except (pydantic.PydanticSchemaGenerationError, pydantic.errors.PydanticInvalidForJsonSchema):
+        return None
+    return adapter
 
 
 def describe(annotation: Any) -> str:
     """The values `annotation` takes, in words: 'an integer', 'a number or null', "one of ['linear', 'cosine']"."""
+    annotation = _by_value(annotation)
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
-        return " or ".join(dict.fromkeys(describe(a) for a in _alternatives(annotation)))
+        return " or ".join(dict.fromkeys(describe(a) for a in typing.get_args(annotation)))
     if origin is Literal:
         return f"one of {list(typing.get_args(annotation))}"
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+    if _is_enum(annotation):
         return f"one of {[m.value for m in annotation]}"
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
     if annotation in words:
@@ -61,24 +58,13 @@ def describe(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _alternatives(annotation: Any) -> list:
-    """A union's members; `SomeEnum | str` (transformers' way of taking an enum's value) means the enum's values."""
-    args = list(typing.get_args(annotation))
-    if any(isinstance(a, type) and issubclass(a, enum.Enum) for a in args):
-        args = [a for a in args if a is not str]
-    return args
+def _by_value(annotation: Any) -> Any:
+    """`SomeEnum | str` (transformers' way of taking an enum's value) means the enum's values: the str goes."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (Union, types.UnionType) and any(map(_is_enum, args)):
+        return Union[tuple(a for a in args if a is not str)]  # noqa: UP007 (a union built from a tuple)
+    return annotation
 
 
-@functools.cache
-def dataclass_fields(cls: type) -> dict[str, tuple[Any, Any]]:
-    """name -> (annotation, default) of every init field of a dataclass (default MISSING where it has none)."""
-    hints = typing.get_type_hints(cls)
-    out = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        default = f.default
-        if f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        out[f.name] = (hints.get(f.name, Any), default)
-    return out
+def _is_enum(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, enum.Enum)
