@@ -112,7 +112,10 @@ def reseed_generation(trainer, seed: int) -> None:
 
 
 def generation_batch_size(trainer: dict, world: int) -> int:
-    """What TRL generates per optimiser round, mirroring GRPOConfig.__post_init__'s derivation from `trainer.*`."""
+    """What TRL generates per optimiser round on `world` processes: GRPOConfig.__post_init__'s arithmetic on
+    `trainer.*`. A run reads its GRPOConfig's own numbers; this mirror is for a world other than this process's (a
+    GRPOConfig takes its world from the running process, and sweep jobs are checked before their torchrun starts)
+    and for a finished run's config.yaml."""
     if trainer.get("generation_batch_size"):
         return int(trainer["generation_batch_size"])
     steps = trainer.get("steps_per_generation") or trainer.get("gradient_accumulation_steps", 1)

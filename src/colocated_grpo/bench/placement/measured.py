@@ -12,6 +12,7 @@ import yaml
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
 from colocated_grpo.bench.placement.shapes import SHAPES
+from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.run_files import read_json
 
 PHASES = ("generate", "sync_weights", "sleep_wake", "reward", "train", "other")
@@ -66,8 +67,7 @@ def _job(run_dir: Path, row: dict, case: str) -> Job:
     summary = read_json(run_dir / run_files.SUMMARY) or {}
     trainer, placement = cfg["trainer"], cfg.get("placement", {})
     world = int(row["world_size"])
-    steps_per_generation = trainer.get("steps_per_generation") or trainer.get("gradient_accumulation_steps", 1)
-    completions = int(trainer["per_device_train_batch_size"]) * world * int(steps_per_generation)
+    completions = generation_batch_size(trainer, world)
     completion_tokens = float(summary.get("completions/mean_length") or trainer["max_completion_length"])
     tokens = summary.get("perf/tokens")
     prompt_tokens = tokens / completions - completion_tokens if tokens else 0.0
