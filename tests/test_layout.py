@@ -1,135 +1,80 @@
-"""The package's shape: each layer a folder, imports only pointing down the layers, no circle of imports, and the
-tree lint-clean and formatted (ruff, configured in pyproject.toml).
-
-    python tests/test_layout.py     # the import graph's numbers: folders, modules, arrows, circles, upward arrows
-"""
+"""The package's shape: each layer a folder, imports only pointing down the layers, no circle of imports
+(import-linter's contracts in pyproject.toml: `lint-imports`), and the tree lint-clean and formatted (ruff, configured
+in pyproject.toml)."""
 
 from __future__ import annotations
 
-import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "colocated_grpo"
+import grimp
 
-# Bottom to top. A module may import from its own unit or from a unit of a lower layer, never from a peer or above.
-LAYERS = (
-    ("run_files", "provenance", "compat"),  # the run-directory contract, where results come from, third-party internals
-    ("telemetry", "resilience"),  # what a run reports; how it survives failures
-    ("training",),  # config, model, data, rewards, the runner
-    ("analysis",),  # reading runs and sweeps: tables, frames, figures
-    ("launch",),  # processes: entry point, server placement, sweeps
-    ("bench",),  # studies and benchmarks
-    ("cli",),  # the `colocated-grpo` command: each tool's own main, under one name
-)
-LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports(path: Path, modules: set[str]) -> set[str]:
-    """The package's modules `path` imports, at module level or inside functions alike."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        found |= {name for name in names if name in modules}
-    return found - {PACKAGE.name}  # `from colocated_grpo import x` names x, not the package's empty __init__
-
-
-def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    files = {module_name(p): p for p in package.rglob("*.py")}
-    files.pop(PACKAGE.name)
-    return {name: imports(path, set(files) | {PACKAGE.name}) - {name} for name, path in files.items()}
-
-
-def unit(module: str) -> str:
-    return module.split(".")[1] if "." in module else module
-
-
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
-
-
-def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """Arrows into a peer unit or a higher layer."""
-    return sorted(
-        (a, b)
-        for a, targets in edges.items()
-        for b in targets
-        if unit(a) != unit(b) and LAYER[unit(b)] >= LAYER[unit(a)]
+def lint_imports(src: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` with pyproject.toml's contracts, on the package as found in `src`."""
+    command = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    return subprocess.run(
+        [sys.executable, "-c", command, str(ROOT / "pyproject.toml"), "--no-cache", "--no-logo"],
+        cwd=src,
+        env={**os.environ, "PYTHONPATH": str(src), "COLUMNS": "200"},  # COLUMNS: one line per reported import
+        capture_output=True,
+        text=True,
     )
 
 
-def test_every_unit_of_the_package_has_a_layer():
-    units = {unit(m) for m in graph()}
-    assert units == set(LAYER), f"give these a layer in LAYERS: {units - set(LAYER)}; gone: {set(LAYER) - units}"
+def package_circles(graph: grimp.ImportGraph) -> list[tuple[str, str]]:
+    """A package's __init__ and a module inside it importing each other (directly or not): the one circle that
+    import-linter's acyclic_siblings contract does not see (it compares the package's children, not the package)."""
+    return sorted(
+        (package, module)
+        for package in graph.modules
+        for module in graph.find_descendants(package)
+        if graph.chain_exists(package, module) and graph.chain_exists(module, package)
+    )
 
 
 def test_imports_point_down_the_layers_and_never_in_a_circle():
-    edges = graph()
-    assert upward(edges) == []
-    assert circles(edges) == []
+    proc = lint_imports(ROOT / "src")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert package_circles(grimp.build_graph("colocated_grpo", cache_dir=None)) == []
 
 
-def test_the_layer_check_sees_an_upward_arrow_and_a_circle():
-    edges = {
-        "colocated_grpo.training.a": {"colocated_grpo.launch.b"},
-        "colocated_grpo.launch.b": {"colocated_grpo.training.a"},
-    }
-    assert upward(edges) == [("colocated_grpo.training.a", "colocated_grpo.launch.b")]
-    assert circles(edges) == [["colocated_grpo.launch.b", "colocated_grpo.training.a"]]
+def test_the_layer_check_sees_an_upward_arrow_a_peer_import_a_circle_and_a_unit_without_a_layer(tmp_path):
+    package = shutil.copytree(ROOT / "src" / "colocated_grpo", tmp_path / "colocated_grpo")
+    with open(package / "training" / "prompt_lengths.py", "a") as module:  # upward, inside a function
+        module.write("\n\ndef planted():\n    from colocated_grpo.launch import sweep_plan\n")
+    with open(package / "telemetry" / "phases.py", "a") as module:  # into a peer unit
+        module.write("\nfrom colocated_grpo.resilience import checkpoints\n")
+    (package / "training" / "planted_a.py").write_text("from colocated_grpo.training import planted_b\n")
+    (package / "training" / "planted_b.py").write_text("from colocated_grpo.training import planted_a\n")
+    (package / "planted_unit").mkdir()
+    (package / "planted_unit" / "__init__.py").write_text("")
+
+    proc = lint_imports(tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    for reported in (
+        "colocated_grpo.training.prompt_lengths -> colocated_grpo.launch.sweep_plan",
+        "colocated_grpo.telemetry.phases -> colocated_grpo.resilience.checkpoints",
+        "No cycles are allowed in colocated_grpo.\n",  # training -> launch closes a circle with launch -> training
+        "No cycles are allowed in colocated_grpo.training.\n",  # planted_a <-> planted_b
+        "The following modules are not listed as layers:\n\n- colocated_grpo.planted_unit\n",
+    ):
+        assert reported in proc.stdout, proc.stdout
+
+
+def test_the_circle_check_sees_a_package_and_its_own_module_importing_each_other():
+    graph = grimp.ImportGraph()
+    graph.add_import(importer="colocated_grpo.analysis", imported="colocated_grpo.analysis.tables")  # a re-export
+    graph.add_import(importer="colocated_grpo.analysis.tables", imported="colocated_grpo.analysis")
+    assert package_circles(graph) == [("colocated_grpo.analysis", "colocated_grpo.analysis.tables")]
 
 
 def test_the_tree_is_lint_clean_and_formatted():
-    root = PACKAGE.parents[1]
     for command in (["check", "--output-format", "concise", "."], ["format", "--check", "."]):
-        proc = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=root, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, f"ruff {' '.join(command)}:\n{proc.stdout}{proc.stderr}"
-
-
-if __name__ == "__main__":
-    package = Path(sys.argv[1]) if len(sys.argv) > 1 else PACKAGE
-    edges = graph(package)
-    folders = sum(1 for p in package.rglob("__init__.py") if p.parent != package)
-    print(
-        f"folders {folders}, modules {len(edges)}, arrows {sum(map(len, edges.values()))}, "
-        f"circles {len(circles(edges))}, upward arrows {len(upward(edges))}"
-    )
-    for a, b in upward(edges):
-        print(f"  upward: {a} -> {b}")

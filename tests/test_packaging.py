@@ -3,14 +3,13 @@ the tools refusing early (a missing extra, no checkout) rather than late."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import json
 import shutil
 import subprocess
 import sys
 import tomllib
-from importlib import metadata
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -20,52 +19,42 @@ from colocated_grpo import provenance
 from colocated_grpo.provenance import REPO
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-FIRST_PARTY = {"colocated_grpo", "hydra_plugins"}
 
 
-def declared() -> set[str]:
-    requirements = PYPROJECT["dependencies"] + [
-        r for extra in PYPROJECT["optional-dependencies"].values() for r in extra
-    ]
-    return {canonicalize_name(Requirement(r).name) for r in requirements}
+def deptry(project: Path, report: Path) -> set[tuple[str, str, str]]:
+    """deptry's findings on `project` (its pyproject.toml's [tool.deptry]): (rule, module, file) each."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "deptry", ".", "--no-ansi", "--json-output", str(report)],
+        cwd=project,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: it found something
+    return {(f["error"]["code"], f["module"], f["location"]["file"]) for f in json.loads(report.read_text())}
 
 
-def imported_top_levels() -> dict[str, str]:
-    """Top-level names the package, the Hydra plugin and train.py import (at any depth): name → a file doing so."""
-    files = [*(REPO / "src").rglob("*.py"), *(REPO / "hydra_plugins").rglob("*.py"), REPO / "train.py"]
-    found = {}
-    for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                found.setdefault(name.split(".")[0], str(path.relative_to(REPO)))
-    return {n: f for n, f in found.items() if n not in sys.stdlib_module_names and n not in FIRST_PARTY}
+def test_every_third_party_import_is_declared_in_pyproject(tmp_path):
+    assert deptry(REPO, tmp_path / "deptry.json") == set(), "declare these in pyproject.toml (dependencies or an extra)"
 
 
-def undeclared(imports: dict[str, str]) -> dict[str, tuple[str, list[str] | None]]:
-    """The imports no declared distribution provides: name → (a file importing it, the distributions that do). An
-    import named as a declared distribution counts as declared when it is not installed (an optional extra)."""
-    providers = metadata.packages_distributions()
-    return {
-        name: (where, providers.get(name))
-        for name, where in imports.items()
-        if not {canonicalize_name(d) for d in providers.get(name, [])} & declared()
-        and not (name not in providers and canonicalize_name(name) in declared())
+def test_the_import_check_sees_an_undeclared_import_an_unused_dependency_and_a_test_tool_imported(tmp_path):
+    project = tmp_path / "project"
+    for part in ("src", "hydra_plugins"):
+        shutil.copytree(REPO / part, project / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "train.py", project)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    (project / "pyproject.toml").write_text(pyproject.replace('  "psutil",\n', '  "psutil",\n  "tabulate",\n', 1))
+    planted = "src/colocated_grpo/planted.py"  # pynvml and yaml are declared under other names: not reported
+    imports = ["pynvml", "yaml", "IPython", "no_such_module_xyz", "pytest"]
+    (project / planted).write_text("def f():\n" + "".join(f"    import {name}\n" for name in imports))
+
+    found = deptry(project, tmp_path / "deptry.json")
+    assert {f for f in found if f[2] in (planted, "pyproject.toml")} == {
+        ("DEP003", "IPython", planted),  # installed (ipykernel needs it) but not declared
+        ("DEP001", "no_such_module_xyz", planted),  # not declared, not installed
+        ("DEP004", "pytest", planted),  # a test tool (the `test` extra) imported by the package
+        ("DEP002", "tabulate", "pyproject.toml"),  # declared, imported nowhere
     }
-
-
-def test_every_third_party_import_is_declared_in_pyproject():
-    assert undeclared(imported_top_levels()) == {}, "declare these in pyproject.toml (dependencies or an extra)"
-
-
-def test_the_import_check_sees_an_undeclared_import():
-    found = undeclared({"yaml": "a.py", "_pytest": "b.py", "IPython": "c.py", "no_such_module_xyz": "d.py"})
-    assert found == {"IPython": ("c.py", ["ipython"]), "no_such_module_xyz": ("d.py", None)}
 
 
 def test_the_console_script_points_at_the_cli():
