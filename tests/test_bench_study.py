@@ -25,7 +25,7 @@ TINY_STUDY = {
     "baseline": "hf_generate",
     "cases": {
         "colocate": [],
-        "hf_generate": ["vllm=none"],
+        "hf_generate": ["placement=none"],
         "broken": ["data.max_operand=-1"],  # composes and validates, fails at run time
     },
     "bench": {
@@ -136,7 +136,7 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, t
         yaml.safe_dump(
             {
                 "models": ["tiny"],
-                "common": ["logger=none", "vllm=none"],  # the study's plumbing: no engine needed
+                "common": ["logger=none", "placement=none"],  # the study's plumbing: no engine needed
                 "baseline": "long",
                 "cases": {"long": ["trainer.max_steps=500"], "next": []},
             }
@@ -169,7 +169,7 @@ def test_a_baseline_mapping_names_cases_only(tmp_path):
 
 def test_bad_study_definitions_are_refused(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"models": [], "cases": {"a": "vllm=none"}, "baseline": "b"}))
+    path.write_text(yaml.safe_dump({"models": [], "cases": {"a": "placement=none"}, "baseline": "b"}))
     with pytest.raises(SystemExit) as err:
         study.load(path)
     message = str(err.value)

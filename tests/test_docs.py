@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from colocated_grpo.launch.config_groups import renamed
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
@@ -167,6 +169,8 @@ def check_inline(code: str) -> str | None:
         group, option = match.groups()
         if PLACEHOLDER.search(option):
             return None
+        if message := renamed(code):
+            return message
         if group == "hydra/launcher":
             return None if f'"{option}"' in _launchers() or option == "basic" else f"no launcher {option}"
         if (CONF / group).is_dir():
@@ -221,13 +225,14 @@ def test_relative_links_and_their_anchors_resolve(page):
 
 
 def test_the_checks_catch_what_does_not_exist():
-    assert check_command("python train.py vllm=colocated") != []
+    assert check_command("python train.py placement=colocated") != []
     assert check_command("python train.py +experiment=qwen_colocate trainer.vllm_tensor_parallel_size=1,2") == []
     assert check_command("python -m colocated_grpo.bench.vllm_generate --no-such-option 1") != []
     assert check_command("python -m colocated_grpo.no_such_module") != []
     assert check_command("bash .ci/install.sh tpu") != []
     assert check_inline("+sweep=no_such_sweep") and check_inline("conf/no_such.yaml")
-    assert check_inline("hydra/launcher=torchrun_slurm") is None and check_inline("vllm=server") is None
+    assert check_inline("hydra/launcher=torchrun_slurm") is None and check_inline("placement=server") is None
+    assert "is now `placement`: write placement=server" in check_inline("vllm=server")
     assert anchors(REPO / "docs" / "results.md") >= {"where-should-generation-run-on-2--h200"}
 
 

@@ -81,7 +81,7 @@ def test_cpu_only_machine_gets_a_clear_error(monkeypatch):
     pytest.importorskip("pynvml")
     if _has_nvml():
         pytest.skip("this machine has NVIDIA GPUs")
-    with pytest.raises(ConfigError, match="vllm=server needs NVIDIA GPUs"):
+    with pytest.raises(ConfigError, match="placement=server needs NVIDIA GPUs"):
         server.visible_gpus()
 
 

@@ -175,7 +175,7 @@ def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(run_env, tmp_path):
         "seed=0,1",
         "trainer.max_steps=500",
         "logger=none",
-        "vllm=none",  # the launcher's plumbing: no engine needed
+        "placement=none",  # the launcher's plumbing: no engine needed
         "hydra.launcher.stop_grace_s=20",
     ]
     parent = start_own_session(cmd, tmp_path, run_env)
@@ -270,7 +270,7 @@ def compose_hydra(*overrides):
             "tp_x_gpu_mem",
             {"trainer.vllm_tensor_parallel_size": "1,2,4,8", "trainer.vllm_gpu_memory_utilization": "0.2,0.3,0.5,0.7"},
         ),
-        ("placement", {"vllm": "colocate,colocate_sleep,server,none"}),
+        ("placement", {"placement": "colocate,colocate_sleep,server,none"}),
         ("batch_scaling", {"trainer.per_device_train_batch_size": "8,16,32,64"}),
     ],
 )
@@ -308,10 +308,10 @@ def test_dry_run_of_placement_skips_what_a_machine_without_gpu_cannot_run(run_sw
     assert proc.returncode == 0, proc.stderr[-4000:]
     by_num = jobs(sweep_dir)
     assert [by_num[n]["swept"] for n in range(4)] == [
-        ["vllm=colocate"],
-        ["vllm=colocate_sleep"],
-        ["vllm=server"],
-        ["vllm=none"],
+        ["placement=colocate"],
+        ["placement=colocate_sleep"],
+        ["placement=server"],
+        ["placement=none"],
     ]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     sleep_status = "planned" if gpus else "skipped"
@@ -321,7 +321,7 @@ def test_dry_run_of_placement_skips_what_a_machine_without_gpu_cannot_run(run_sw
         assert "needs a GPU; vLLM on CPU has no sleep mode" in by_num[1]["reason"]
     if server_status == "skipped":
         assert (
-            f"vllm=server with placement.server_gpus=1 needs more than 1 GPUs; this machine has {gpus}"
+            f"placement=server with placement.server_gpus=1 needs more than 1 GPUs; this machine has {gpus}"
             in by_num[2]["reason"]
         )
 

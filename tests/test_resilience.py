@@ -321,7 +321,7 @@ def test_sigterm_in_start_up_stops_with_143_not_a_silent_kill(model_cache, tmp_p
 
 def test_a_run_that_would_train_nothing_is_refused_before_the_model_loads(job):
     """Fewer prompts than one generation batch: TRL would stop at step 0 after loading everything."""
-    j = job("vllm=none", "data.num_samples=1", "trainer.per_device_train_batch_size=8", "logger=none", check=False)
+    j = job("placement=none", "data.num_samples=1", "trainer.per_device_train_batch_size=8", "logger=none", check=False)
     assert j.proc.returncode != 0
     assert "data: the dataset holds 1 prompt(s), but one step needs 2 distinct prompts" in j.output, j.output[-3000:]
     assert "use data.num_samples=2 or more" in j.output

@@ -19,7 +19,7 @@ from colocated_grpo.run_files import read_jsonl
 # A checkpoint of the tiny model (weights and Adam state) takes about 5.5 MiB: an 8 MiB disk holds the run files and
 # checkpoint-1, and runs out while checkpoint-2 is written.
 SMALL_DISK, ROOMY_DISK = "8m", "64m"
-OVERRIDES = ("vllm=none", "trainer.max_steps=3", "trainer.save_steps=1")
+OVERRIDES = ("placement=none", "trainer.max_steps=3", "trainer.save_steps=1")
 
 SCRIPT = """
 set -u

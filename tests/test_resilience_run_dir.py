@@ -46,7 +46,9 @@ def test_an_unwritable_run_dir_fails_in_one_line_naming_hydra_run_dir(where, mod
 def test_a_refused_second_run_leaves_the_live_runs_hydra_record_alone(model_cache, tmp_path):
     run_dir = tmp_path / "run"
     # a live run holding the directory (no engine needed); the test kills it when done
-    live = Job(run_dir, model_cache, "trainer.max_steps=5000", "trainer.save_strategy=no", "logger=none", "vllm=none")
+    live = Job(
+        run_dir, model_cache, "trainer.max_steps=5000", "trainer.save_strategy=no", "logger=none", "placement=none"
+    )
     try:
         live.wait_until(lambda: (run_dir / "run.json").exists(), timeout=300)
         record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}

@@ -114,12 +114,12 @@ def test_all_problems_reported_at_once():
 
 
 def test_unknown_group_option_is_hydras_error():
-    with pytest.raises(ConfigCompositionException, match="Could not find 'vllm/colocated'"):
-        compose_train("vllm=colocated")
+    with pytest.raises(ConfigCompositionException, match="Could not find 'placement/colocated'"):
+        compose_train("placement=colocated")
 
 
 def test_none_placement_skips_vllm_checks():
-    cfg = compose_train("vllm=none")
+    cfg = compose_train("placement=none")
     with open_dict(cfg):
         cfg.trainer.vllm_tensor_parallel_size = 3  # irrelevant without vLLM
     validate(cfg, 1)
@@ -130,10 +130,15 @@ def test_fixed_completion_length_maps_to_each_backends_own_kwargs():
     kwargs = grpo_config(cfg, "unused", []).generation_kwargs
     assert {"min_tokens": 96, "ignore_eos": True}.items() <= kwargs.items()
     cfg = compose_train(
-        "+experiment=gpu_smoke", "vllm=none", "trainer.bf16=false", "+trainer.generation_kwargs={min_new_tokens: 8}"
+        "+experiment=gpu_smoke",
+        "placement=none",
+        "trainer.bf16=false",
+        "+trainer.generation_kwargs={min_new_tokens: 8}",
     )
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"min_new_tokens": 8}, "the user's own kwargs win"
-    cfg = compose_train("+experiment=gpu_smoke", "vllm=none", "trainer.bf16=false", "run.fixed_completion_length=false")
+    cfg = compose_train(
+        "+experiment=gpu_smoke", "placement=none", "trainer.bf16=false", "run.fixed_completion_length=false"
+    )
     assert grpo_config(cfg, "unused", []).generation_kwargs is None
     _fails("run.fixed_completion_length must be true or false", "run.fixed_completion_length=sometimes")
 
@@ -144,11 +149,11 @@ SMOKE = ("+experiment=gpu_smoke", "trainer.bf16=false", "run.fixed_completion_le
 
 @pytest.mark.parametrize("placement", ["colocate", "colocate_sleep"])
 def test_fast_outputs_reach_the_colocated_engines_sampling_params(placement):
-    cfg = compose_train(*SMOKE, f"vllm={placement}")
+    cfg = compose_train(*SMOKE, f"placement={placement}")
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"detokenize": False, "flat_logprobs": True}
-    cfg = compose_train(*SMOKE, f"vllm={placement}", "placement.fast_outputs=false")
+    cfg = compose_train(*SMOKE, f"placement={placement}", "placement.fast_outputs=false")
     assert grpo_config(cfg, "unused", []).generation_kwargs is None, "false: TRL's own request"
-    cfg = compose_train(*SMOKE, f"vllm={placement}", "+trainer.generation_kwargs={detokenize: true}")
+    cfg = compose_train(*SMOKE, f"placement={placement}", "+trainer.generation_kwargs={detokenize: true}")
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"detokenize": True, "flat_logprobs": True}
 
 
@@ -166,7 +171,7 @@ def test_stop_strings_keep_the_text_detokenized_and_their_escapes_are_read():
 
 @pytest.mark.parametrize("placement", ["none", "server"])
 def test_fast_outputs_leave_other_placements_alone(placement):
-    cfg = compose_train(*SMOKE, f"vllm={placement}", "+placement.fast_outputs=true")
+    cfg = compose_train(*SMOKE, f"placement={placement}", "+placement.fast_outputs=true")
     assert grpo_config(cfg, "unused", []).generation_kwargs is None
 
 

@@ -162,7 +162,9 @@ def test_fixed_completion_length_stops_early_eos_in_vllm(two_seeds, default_run)
 
 def test_none_placement_uses_transformers_generate(train):
     # parallelism.nproc_per_node=2 too: a plain `python train.py` is one process whatever the config says
-    run = train("vllm=none", "trainer.max_steps=2", "run.fixed_completion_length=true", "parallelism.nproc_per_node=2")
+    run = train(
+        "placement=none", "trainer.max_steps=2", "run.fixed_completion_length=true", "parallelism.nproc_per_node=2"
+    )
     assert json.loads((run.dir / "run.json").read_text())["world_size"] == 1
     assert "parallelism.nproc_per_node=2, but this run has 1 process(es) on this node (world size 1)" in run.output
     assert [m["train/global_step"] for m in run.metrics()] == [1, 2]

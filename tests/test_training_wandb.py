@@ -93,7 +93,7 @@ class RejectingServer(ThreadingHTTPServer):
 
 def test_wandb_online_without_an_api_key_is_refused_in_one_line_before_anything_loads(train, tmp_path):
     closed = f"http://127.0.0.1:{free_port()}"
-    run = train("vllm=none", env=online(tmp_path, closed), check=False)
+    run = train("placement=none", env=online(tmp_path, closed), check=False)
     assert run.proc.returncode == 1, run.output[-3000:]
     lines = [line for line in run.output.splitlines() if "W&B" in line]
     assert lines == [f"WandbError: W&B online needs an API key (none found for {closed}): {REFUSAL}"], run.output
@@ -110,7 +110,7 @@ def test_wandb_online_with_an_unreachable_server_falls_back_to_offline_and_train
     with SilentServer() if server == "never answers" else nullcontext() as silent:
         url = silent.url if silent else f"http://127.0.0.1:{free_port()}"
         run = train(
-            "vllm=none",
+            "placement=none",
             "trainer.max_steps=2",
             f"logger.init_timeout_s={timeout_s}",
             env=online(tmp_path, url, api_key="k" * 40),
@@ -131,7 +131,7 @@ def test_wandb_online_with_an_unreachable_server_falls_back_to_offline_and_train
 
 def test_wandb_online_with_a_key_the_server_rejects_is_refused_in_one_line(train, tmp_path):
     with RejectingServer() as server:
-        run = train("vllm=none", env=online(tmp_path, server.url, api_key="k" * 40), check=False)
+        run = train("placement=none", env=online(tmp_path, server.url, api_key="k" * 40), check=False)
         assert server.requests, "W&B asked the (loopback) server"
     assert run.proc.returncode == 1, run.output[-3000:]
     lines = [line for line in run.output.splitlines() if "W&B online" in line]

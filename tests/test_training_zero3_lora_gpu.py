@@ -40,7 +40,7 @@ def _check(run, distributed_type: str | None) -> list[dict]:
     [
         ("parallelism=zero3",),
         ("parallelism=zero3_offload",),
-        ("parallelism=zero3_offload", "vllm=colocate_sleep"),  # does sleep mode work beside the offloaded optimizer?
+        ("parallelism=zero3_offload", "placement=colocate_sleep"),  # sleep mode beside the offloaded optimizer?
     ],
     ids=["zero3", "zero3_offload", "zero3_offload_sleep"],
 )

@@ -1,6 +1,6 @@
 """Server placement: `trl vllm-serve` on the last K GPUs of the node, torchrun training on the others.
 
-`python train.py vllm=server` is the whole command: this process plans the GPUs and ports, starts the server,
+`python train.py placement=server` is the whole command: this process plans the GPUs and ports, starts the server,
 waits until it is healthy, runs `torchrun` for the trainer (vllm_mode="server", pointed at the server) and stops
 the server at the end, on failure and on Ctrl-C. Both children run in their own process groups, so nothing is
 left behind. The trainer's rank 0 also samples the server's GPUs (their UUIDs travel in SERVER_GPUS_ENV).
@@ -61,8 +61,8 @@ def visible_gpus() -> list[str]:
     except pynvml.NVMLError as exc:
         raise ConfigError(
             [
-                f"vllm=server needs NVIDIA GPUs (NVML: {exc}): TRL syncs weights to a vLLM server over NCCL. "
-                "On CPU use vllm=colocate or vllm=none"
+                f"placement=server needs NVIDIA GPUs (NVML: {exc}): TRL syncs weights to a vLLM server over NCCL. "
+                "On CPU use placement=colocate or placement=none"
             ]
         ) from exc
     uuid = lambda h: (lambda u: u.decode() if isinstance(u, bytes) else u)(pynvml.nvmlDeviceGetUUID(h))

@@ -47,7 +47,7 @@ class Job:
     dir: str
     nproc_per_node: int
     nnodes: int = 1
-    server: bool = False  # vllm=server: the job is one `python train.py` that starts its server and torchrun
+    server: bool = False  # placement=server: the job is one `python train.py` that starts its server and torchrun
     status: str = "pending"
     reason: str | None = None  # why a job was skipped
     placement: dict | None = (
@@ -173,8 +173,9 @@ def server_skip_reason(job_cfg: DictConfig, gpus_here: int | None) -> str | None
     """A server-placement job takes every GPU of the machine: K serve, the rest train."""
     k = int(job_cfg.placement.server_gpus)
     if gpus_here is not None and gpus_here <= k:
-        return f"vllm=server with placement.server_gpus={k} needs more than {k} GPUs; this machine has {gpus_here}" + (
-            " (TRL syncs weights to a vLLM server over NCCL)" if gpus_here == 0 else ""
+        return (
+            f"placement=server with placement.server_gpus={k} needs more than {k} GPUs; this machine has "
+            f"{gpus_here}" + (" (TRL syncs weights to a vLLM server over NCCL)" if gpus_here == 0 else "")
         )
     try:
         validate(job_cfg, (gpus_here or k + 1) - k)

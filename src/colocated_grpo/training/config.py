@@ -257,7 +257,7 @@ def gpu_only_problems(cfg: DictConfig) -> list[str]:
     trainer = cfg.trainer
     if trainer.get("use_vllm") and trainer.get("vllm_enable_sleep_mode"):
         problems.append(
-            "trainer.vllm_enable_sleep_mode=true (vllm=colocate_sleep) needs a GPU; vLLM on CPU has no sleep mode"
+            "trainer.vllm_enable_sleep_mode=true (placement=colocate_sleep) needs a GPU; vLLM on CPU has no sleep mode"
         )
     if cfg.parallelism.name == "fsdp":
         problems.append(
