@@ -1,14 +1,17 @@
-"""A group's old name is refused in one line naming the new one, before Hydra composes anything."""
+"""A group's old name is refused in one line naming the new one, before Hydra composes anything; the composed default
+config kept in docs/config_reference.yaml is current, with the configs that set each section."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
-from conftest import run_bounded, run_environment
+from conftest import compose_train, run_bounded, run_environment
+from omegaconf import OmegaConf
 
-from colocated_grpo.launch.config_groups import renamed
+from colocated_grpo.launch.config_groups import REFERENCE, REGENERATE, reference, renamed
 from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
+from colocated_grpo.provenance import REPO
 
 
 def test_an_override_of_the_old_group_name_names_the_new_spelling():
@@ -37,3 +40,18 @@ def test_train_py_refuses_the_old_group_name_in_one_line_before_hydra(command, t
     assert (proc.stdout + proc.stderr).count(line) == times, proc.stderr
     assert "Could not override" not in proc.stderr
     assert not list(tmp_path.iterdir()), "nothing is composed or written before the refusal"
+
+
+def test_the_config_reference_is_current():
+    written = (REPO / REFERENCE).read_text()
+    assert written == reference(REPO), f"{REFERENCE} is stale: run `{REGENERATE}` and commit it"
+
+
+def test_the_config_reference_is_the_composed_default_with_what_sets_each_section():
+    text = reference(REPO)
+    assert OmegaConf.create(text) == compose_train()  # `python train.py --cfg job`
+    assert (
+        "# set by: trainer=tiny (conf/trainer/tiny.yaml), placement=colocate (conf/placement/colocate.yaml)\ntrainer:\n"
+    ) in text
+    assert "# set by: placement=colocate (conf/placement/colocate.yaml)\nplacement:\n" in text
+    assert "# set by: conf/train.yaml\nrun:\n" in text

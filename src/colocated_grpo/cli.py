@@ -31,6 +31,11 @@ COMMANDS = {
         [],
         "a CPU run interrupted at random moments and resumed each time; checks every step is kept once",
     ),
+    "config-reference": (
+        "colocated_grpo.launch.config_groups",
+        [],
+        "write docs/config_reference.yaml: the composed default config, each section with the configs that set it",
+    ),
     "placement": (
         "colocated_grpo.bench.placement.__main__",
         [],

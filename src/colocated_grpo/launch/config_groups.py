@@ -1,13 +1,21 @@
 """The config groups as a user meets them: a group's old name on the command line is refused in one line that names
-the new one."""
+the new one, and the composed default config is kept as a file (docs/config_reference.yaml) with the groups that set
+each of its sections.
+
+    colocated-grpo config-reference        # writes docs/config_reference.yaml again after a change in conf/
+"""
 
 from __future__ import annotations
 
+import argparse
 import re
+from pathlib import Path
 
 from colocated_grpo.resilience import console
 
 RENAMED = {"vllm": "placement"}  # old group name: new group name
+REFERENCE = Path("docs") / "config_reference.yaml"  # in the checkout
+REGENERATE = "colocated-grpo config-reference"
 
 
 class RenamedGroup(ValueError):
@@ -32,3 +40,54 @@ def refuse_renamed_groups(argv: list[str]) -> None:
         if message := renamed(override):
             console.report_failure(RenamedGroup(message), explained=True)
             console.exit_now(1)
+
+
+def reference(repo: Path) -> str:
+    """The composed default config (`python train.py --cfg job`), each top-level section headed by the configs
+    that set it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    conf = repo.resolve() / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train")
+        defaults = GlobalHydra.instance().config_loader().compute_defaults_list("train", [], RunMode.RUN).defaults
+    sources = []  # (what names the config, the top-level keys it sets), in the order Hydra merges them
+    for default in defaults:
+        path = conf / f"{default.config_path}.yaml"
+        if not path.exists():  # Hydra's own configs, and nodes registered in code (types, no values)
+            continue
+        group, _, option = default.config_path.rpartition("/")
+        name = f"{group}={option} (conf/{default.config_path}.yaml)" if group else f"conf/{path.name}"
+        keys = {default.package.split(".")[0]} if default.package else set(OmegaConf.load(path)) - {"defaults"}
+        sources.append((name, keys))
+    lines = [
+        "# The composed default config: what `python train.py --cfg job` prints with no overrides, each top-level",
+        "# section headed by the configs that set it (conf/<group>/<option>.yaml, merged in this order: a later one",
+        f"# wins). Generated: after a change in conf/, run `{REGENERATE}`;",
+        "# tests/test_launch_config_groups.py fails while this file is stale.",
+    ]
+    for key in cfg:
+        setters = [name for name, keys in sources if key in keys]
+        lines += ["", f"# set by: {', '.join(setters)}", OmegaConf.to_yaml({key: cfg[key]}).rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog or "python -m colocated_grpo.launch.config_groups",
+        description=f"Write {REFERENCE}: the composed default config, each section with the configs that set it.",
+    )
+    parser.parse_args(argv)
+    from colocated_grpo.provenance import checkout  # train.py imports this module: only what it needs
+
+    repo = checkout()
+    path = repo / REFERENCE
+    path.write_text(reference(repo))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
