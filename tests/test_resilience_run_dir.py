@@ -20,7 +20,7 @@ from conftest import run_bounded, run_environment
 from test_resilience import FAULTY, Job
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
-from colocated_grpo.resilience import console, run_dir_guard
+from colocated_grpo.resilience import checkpoints, process_end, run_dir_guard
 
 
 def _train(run_dir: str, model_cache: Path, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -71,7 +71,7 @@ def test_claiming_is_idempotent_in_a_process_and_inherited_by_its_children(tmp_p
     run_dir_guard.check_writable(run_dir)
     try:
         run_dir_guard.claim(run_dir)  # again, from the runner: no-op
-        child = "from colocated_grpo.resilience import console, run_dir_guard as g; import sys; g.claim(sys.argv[1])"
+        child = "from colocated_grpo.resilience import run_dir_guard as g; import sys; g.claim(sys.argv[1])"
         held = subprocess.run([sys.executable, "-c", child, str(run_dir)], capture_output=True, text=True)
         assert held.returncode == 0, held.stderr  # started by the holder: inherits the claim
         env = {k: v for k, v in run_environment(tmp_path).items() if k != run_dir_guard.HELD_ENV}
@@ -82,7 +82,7 @@ def test_claiming_is_idempotent_in_a_process_and_inherited_by_its_children(tmp_p
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# What a failure prints (resilience/console.py)
+# What a run prints: a failure (resilience/process_end.py), not a resume's tied weights (resilience/checkpoints.py)
 
 
 def test_a_missing_tied_weight_on_resume_is_not_reported_and_any_other_missing_key_is(caplog):
@@ -91,7 +91,7 @@ def test_a_missing_tied_weight_on_resume_is_not_reported_and_any_other_missing_k
     sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
     model = Qwen2ForCausalLM(Qwen2Config(**sizes, num_key_value_heads=1, tie_word_embeddings=True))
     logger = logging.getLogger("transformers.trainer")
-    console.quiet_tied_weights_on_resume(model)
+    checkpoints.quiet_tied_weights_on_resume(model)
     try:
         with caplog.at_level(logging.WARNING, logger="transformers.trainer"):
             logger.warning("There were missing keys in the checkpoint model loaded: ['lm_head.weight'].")
@@ -122,18 +122,18 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
         # one process: the message alone for an error that explains itself, the traceback too for any other
         monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
         monkeypatch.setenv("LOCAL_RANK", "0")  # left over in the environment: still no torchrun launch
-        console.report_failure(_raised(_Explained("what to change")), explained=True)
-        console.report_failure(_raised(KeyError("surprise")), explained=False)
+        process_end.report_failure(_raised(_Explained("what to change")), explained=True)
+        process_end.report_failure(_raised(KeyError("surprise")), explained=False)
         err = capsys.readouterr().err
         assert err.startswith("_Explained: what to change\nTraceback (most recent call last):")
         assert err.rstrip().endswith("KeyError: 'surprise'") and err.count("Traceback") == 1
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch")
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
         # two ranks of one torchrun launch (same parent) fail: the first to report says it, the other stays quiet
-        monkeypatch.setattr(console, "OTHER_RANKS_WAIT_S", 0)
+        monkeypatch.setattr(process_end, "OTHER_RANKS_WAIT_S", 0)
         claims = tmp_path / "claims"
         claims.mkdir()
-        monkeypatch.setattr(console, "CLAIMS_DIR", claims)
+        monkeypatch.setattr(process_end, "CLAIMS_DIR", claims)
         ended = subprocess.Popen([sys.executable, "-c", "pass"])  # the claim of a launch whose agent has ended
         stale = claims / f"colocated-grpo-failure-{ended.pid}-{psutil.Process(ended.pid).create_time():.0f}"
         ended.wait()
@@ -143,7 +143,7 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
             monkeypatch.setenv("LOCAL_RANK", rank)
             monkeypatch.setenv("RANK", rank)
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-            console.report_failure(_raised(_Explained(f"on rank {rank}")), explained=True)
+            process_end.report_failure(_raised(_Explained(f"on rank {rank}")), explained=True)
         assert capsys.readouterr().err == "_Explained: on rank 1\n"
         assert json.loads(error_file.read_text())["message"]["message"] == "_Explained: on rank 1"
         agent = psutil.Process(os.getppid())
@@ -184,7 +184,7 @@ def test_a_failing_two_rank_run_prints_its_error_once_without_the_libraries_nois
 AGENT = """
 import os, subprocess, sys
 worker = (
-    "import os, sys, time; from colocated_grpo.resilience.preemption import stop_with_torchrun_agent; "
+    "import os, sys, time; from colocated_grpo.resilience.process_end import stop_with_torchrun_agent; "
     "stop_with_torchrun_agent(); print(os.getpid(), flush=True); time.sleep(60)"
 )
 env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}

@@ -11,7 +11,7 @@ import argparse
 import re
 from pathlib import Path
 
-from colocated_grpo.resilience import console
+from colocated_grpo.resilience import process_end
 
 RENAMED = {"vllm": "placement"}  # old group name: new group name
 REFERENCE = Path("docs") / "config_reference.yaml"  # in the checkout
@@ -38,8 +38,8 @@ def refuse_renamed_groups(argv: list[str]) -> None:
     names a renamed group, instead of Hydra's "Could not override" error."""
     for override in argv:
         if message := renamed(override):
-            console.report_failure(RenamedGroup(message), explained=True)
-            console.exit_now(1)
+            process_end.report_failure(RenamedGroup(message), explained=True)
+            process_end.exit_now(1)
 
 
 def reference(repo: Path) -> str:

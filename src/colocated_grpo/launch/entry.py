@@ -1,22 +1,24 @@
 """What `train.py` runs: the one choice made above the training runner. A server placement's first process only
 orchestrates (a vLLM server and a torchrun trainer, launch/server_placement.py); every other process trains.
 
-A failure ends the process here, reported once per launch (resilience/console.py): errors that explain themselves
+A failure ends the process here, reported once per launch (resilience/process_end.py): errors that explain themselves
 as one message, anything else with its traceback."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from colocated_grpo.compat.hydra import in_process_multirun_launcher, output_dir
 from colocated_grpo.launch import server_placement
-from colocated_grpo.resilience import console, startup_signals
+from colocated_grpo.resilience import process_end
 from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.disk_full import DiskFull
 from colocated_grpo.resilience.nonfinite import NonFiniteError
-from colocated_grpo.resilience.preemption import TrainingInterrupted, stop_with_torchrun_agent
+from colocated_grpo.resilience.preemption import TrainingInterrupted
 from colocated_grpo.resilience.startup_errors import StartupMemoryError
 from colocated_grpo.training import runner
 from colocated_grpo.training.config import ConfigError
@@ -41,8 +43,10 @@ EXPLAINED = (
 
 
 def main(cfg: DictConfig) -> None:
-    console.quiet_known_noise()
-    stop_with_torchrun_agent()
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")  # W&B's Weave advertisement
+    # transformers' FutureWarnings about the `gradient_checkpointing` names that TRL still reads
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
+    process_end.stop_with_torchrun_agent()
     run_dir = Path(output_dir()).resolve()
     try:
         if launcher := in_process_multirun_launcher():
@@ -62,14 +66,14 @@ def main(cfg: DictConfig) -> None:
             # A finished run ends its process at once: its files, W&B and process group are closed by then, and the
             # interpreter's own teardown can still abort it on native threads left by vLLM and the collectives
             # ("terminate called without an active exception", exit -6), which a sweep would record as failed.
-            console.exit_now(0)
+            process_end.exit_now(0)
     except TrainingInterrupted as stopped:  # already said, with the command that resumes it
-        console.exit_now(stopped.code)
+        process_end.exit_now(stopped.code)
     except KeyboardInterrupt as stop:  # SIGTERM in start-up, a signal repeated in training, a second Ctrl-C
         if runner.is_main_process():
             print(str(stop) or "KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
-        console.exit_now(getattr(stop, "code", 130))
+        process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
-        startup_signals.over()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
-        console.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
-        console.exit_now(1)
+        process_end.begin()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
+        process_end.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
+        process_end.exit_now(1)

@@ -136,6 +136,27 @@ def mark_complete_callback():
     return MarkComplete()
 
 
+class _TiedKeysMissing(logging.Filter):
+    def __init__(self, tied: set[str]):
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = re.match(r"There were missing keys in the checkpoint model loaded: \[(.*)\]\.$", record.getMessage())
+        if not m:
+            return True
+        missing = {k.strip().strip("'\"") for k in m[1].split(",") if k.strip()}
+        return not (missing and missing <= self.tied)
+
+
+def quiet_tied_weights_on_resume(model) -> None:
+    """Drop transformers' missing-keys warning on resume when every missing key is a tied weight of `model` (e.g.
+    `lm_head.weight` with tied embeddings: the checkpoint stores it once and loading ties it again)."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    if tied:
+        logging.getLogger("transformers.trainer").addFilter(_TiedKeysMissing(tied))
+
+
 @dataclass
 class Resume:
     """Where this attempt starts: a new run, step 0 of a run that never checkpointed, or a checkpoint."""

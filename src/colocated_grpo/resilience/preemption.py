@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import time
 from contextlib import contextmanager
 
 from transformers import TrainerCallback
+
+from colocated_grpo.resilience.process_end import StoppedAtOnce
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +33,6 @@ class TrainingInterrupted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
-
-
-class StoppedAtOnce(KeyboardInterrupt):
-    """A signal repeated after the window: training stops where it is, without a checkpoint; `code` is the exit
-    status and str() says so."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.code = 128 + signum
 
 
 class StopOnSignal(TrainerCallback):
@@ -105,19 +97,3 @@ def _max_over_ranks(value: int, args) -> int:
     flag = torch.tensor([value], dtype=torch.int64, device=args.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
-
-
-def stop_with_torchrun_agent() -> None:
-    """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL. torchrun starts
-    each worker in a session of its own, so a signal to the agent's process group does not reach the workers, and
-    a killed agent would leave them training on, orphaned, holding the run directory. With SIGTERM they stop as a
-    preempted run does (resilience/preemption.py). Linux only; elsewhere nothing changes."""
-    import ctypes
-    import os
-
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    agent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != agent:  # the agent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)

@@ -18,13 +18,12 @@ from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.resilience import (
     attempts,
     checkpoints,
-    console,
     disk_full,
     preemption,
+    process_end,
     redaction,
     run_dir_guard,
     startup_errors,
-    startup_signals,
     wandb_rewind,
 )
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
@@ -160,7 +159,7 @@ def _recorded(
                 "use more rows (data.num_samples for the synthetic data) or a smaller batch"
             )
         status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (resilience/startup_signals.py)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (resilience/process_end.py)
         status, exit_code = "interrupted", getattr(stop, "code", 130)
         raise
     except Exception as exc:
@@ -169,7 +168,7 @@ def _recorded(
             raise error from exc
         raise
     finally:
-        startup_signals.over()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
+        process_end.begin()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
         wandb_logging.finish(wandb_run, exit_code)
         record.end(status, error)
         _close_process_group()
@@ -201,7 +200,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         if (explained := startup_errors.explain_startup_error(exc, cfg)) is None:
             raise
         raise explained from exc
-    console.quiet_tied_weights_on_resume(trainer.model)
+    checkpoints.quiet_tied_weights_on_resume(trainer.model)
     trl_internals.reseed_generation(trainer, int(cfg.seed))
     if (args.generation_kwargs or {}).get("flat_logprobs"):  # placement.fast_outputs, or the user's own request
         trl_internals.install_flat_logprob_reader()

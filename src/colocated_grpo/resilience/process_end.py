@@ -1,0 +1,185 @@
+"""How a process ends: on a signal, on a failure, or done. Standard library only: train.py installs the start-up
+handler before anything heavy is imported.
+
+SIGTERM through a run's life:
+- start-up (`run_main`): Python's default would kill the process at once (exit -15, nothing said, nothing recorded);
+  until the runner installs its own handler, SIGTERM unwinds like Ctrl-C does, so a run that recorded itself says
+  `interrupted` and the process exits 143 (128 + SIGTERM).
+- training: the runner's handler saves a checkpoint and stops (resilience/preemption.py).
+- the ending (`begin`): a SIGTERM, e.g. torchrun's when another rank failed, does not cut it short, but stops an
+  ending that hangs.
+- a torchrun worker gets SIGTERM when its agent dies, even by SIGKILL (`stop_with_torchrun_agent`).
+
+A failure (`report_failure`): the whole traceback goes to the job's log file (`<run dir>/train.log`, Hydra's file
+handler) on every rank; the console gets `Type: message` once per launch, from rank 0 or the first rank that failed
+(a rank that fails because another one did says nothing), with the traceback only where the message does not explain
+itself. Under torchrun the same line goes to the worker's error file, so torchrun's closing ChildFailedError block
+names the error instead of "To enable traceback see …".
+
+Every end (`exit_now`) skips the interpreter's teardown, which would print dozens of `nanobind: leaked …` lines
+(triton's bindings) after the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from colocated_grpo import run_files
+
+log = logging.getLogger(__name__)
+
+ENDING_GRACE_S = 10.0  # how long a run's ending may take before a SIGTERM received in it is honoured
+OTHER_RANKS_WAIT_S = 2.0  # a failing rank other than 0 lets a failing rank 0 report first
+CLAIMS_DIR = Path(tempfile.gettempdir())  # where the ranks of one launch claim its failure report
+CLAIM_PREFIX = "colocated-grpo-failure-"
+_ending_since: float | None = None
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A signal stopped the process where it was, without a checkpoint; `code` is the exit status, str() says so."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Call `main` with SIGTERM unwinding as StoppedAtOnce until the runner installs its own handler; a stop before
+    the runner can report it (Hydra still composing or writing its record) ends here, in one line."""
+    signal.signal(signal.SIGTERM, _stop_in_start_up)
+    try:
+        main()
+    except StoppedAtOnce as stop:
+        print(stop, file=sys.stderr, flush=True)
+        exit_now(stop.code)
+
+
+def _stop_in_start_up(signum, frame) -> None:
+    raise StoppedAtOnce(signum, "SIGTERM during start-up: stopped before the first step, nothing trained")
+
+
+def begin() -> None:
+    """The run is ending (its record, W&B and process group being closed, or its failure reported): from here on
+    a SIGTERM is not taken for a stop in start-up and does not cut the ending short; but an ending that hangs
+    (wandb.finish, destroy_process_group) is stopped ENDING_GRACE_S after it began, exit 143, once a SIGTERM came.
+    Ctrl-C still stops at once."""
+    global _ending_since
+    if _ending_since is None:
+        _ending_since = time.monotonic()
+    signal.signal(signal.SIGTERM, _during_ending)
+
+
+def _during_ending(signum, frame) -> None:
+    left = ENDING_GRACE_S - (time.monotonic() - _ending_since)
+    if left <= 0:
+        _stop_ending()
+    else:  # the process normally ends first, and the timer with it
+        timer = threading.Timer(left, _stop_ending)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one timer is enough
+
+
+def _stop_ending() -> None:
+    print(
+        f"SIGTERM: the run's ending (run files, W&B, process group) took over {ENDING_GRACE_S:.0f} s; stopped",
+        file=sys.stderr,
+        flush=True,
+    )
+    exit_now(128 + signal.SIGTERM)
+
+
+def stop_with_torchrun_agent() -> None:
+    """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL. torchrun starts
+    each worker in a session of its own, so a signal to the agent's process group does not reach the workers, and
+    a killed agent would leave them training on, orphaned, holding the run directory. With SIGTERM they stop as a
+    preempted run does. Linux only; elsewhere nothing changes."""
+    import ctypes
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    agent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != agent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def report_failure(exc: BaseException, explained: bool, show_cause: bool = False) -> None:
+    """Log `exc` with its traceback to the log files; print it on the console once per launch (a traceback only
+    when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward)."""
+    line = f"{type(exc).__name__}: {exc}"
+    run_files.log_to_files(log, logging.ERROR, "run failed", (type(exc), exc, exc.__traceback__))
+    if not _first_to_report():
+        return
+    if not explained:
+        traceback.print_exception(exc)  # its last line is `line`
+    else:
+        if show_cause and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__)
+        print(line, file=sys.stderr)
+    sys.stderr.flush()
+    # Not torch's ErrorHandler.record_exception: it writes the whole traceback, which torchrun's closing block repeats
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
+
+
+def exit_now(code: int) -> None:
+    """End the process without the interpreter's teardown (see the module's docstring)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _first_to_report() -> bool:
+    """Whether this process reports its launch's failure: always when it is the only process, else the first of the
+    launch's processes on this node to claim it (rank 0 gets a head start)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not started by torchrun (a LOCAL_RANK alone may be left over)
+        return True
+    if _rank() != 0:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    import psutil
+
+    agent = psutil.Process(os.getppid())  # the torchrun agent: the ranks' parent, one claim per launch and node
+    # The claim must outlive the reporting rank (another rank may fail minutes later, at a collective's timeout), so
+    # it stays while its agent lives: outside the run directory, and removed by a later claim once the agent is gone.
+    _remove_claims_of_ended_agents()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent restarting its workers: a new launch
+    claim = CLAIMS_DIR / f"{CLAIM_PREFIX}{agent.pid}-{agent.create_time():.0f}-{restart}"
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return _rank() == 0
+
+
+def _remove_claims_of_ended_agents() -> None:
+    import psutil
+
+    for claim in CLAIMS_DIR.glob(f"{CLAIM_PREFIX}*-*"):
+        pid, started, *_ = [*claim.name.removeprefix(CLAIM_PREFIX).split("-"), ""]
+        try:
+            alive = f"{psutil.Process(int(pid)).create_time():.0f}" == started
+        except (ValueError, psutil.Error):
+            alive = False
+        if not alive:
+            with contextlib.suppress(OSError):  # another user's, in a shared temp dir: theirs to remove
+                claim.unlink()
