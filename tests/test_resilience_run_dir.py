@@ -130,7 +130,7 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch")
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
         # two ranks of one torchrun launch (same parent) fail: the first to report says it, the other stays quiet
-        monkeypatch.setattr(process_end, "OTHER_RANKS_WAIT_S", 0)
+        monkeypatch.setattr(process_end, "OTHER_RANKS_WAIT_S", 1.0)
         claims = tmp_path / "claims"
         claims.mkdir()
         monkeypatch.setattr(process_end, "CLAIMS_DIR", claims)
@@ -145,7 +145,11 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
             process_end.report_failure(_raised(_Explained(f"on rank {rank}")), explained=True)
         assert capsys.readouterr().err == "_Explained: on rank 1\n"
-        assert json.loads(error_file.read_text())["message"]["message"] == "_Explained: on rank 1"
+        reported = json.loads(error_file.read_text())["message"]
+        assert reported["message"] == "_Explained: on rank 1"
+        # stamped when rank 1 failed, before its wait: torchrun takes the earliest stamp (in seconds) for the root
+        # cause, and a rank that failed after it and said nothing is stamped when torchrun saw it end
+        assert int(reported["extraInfo"]["timestamp"]) <= time.time() - process_end.OTHER_RANKS_WAIT_S
         agent = psutil.Process(os.getppid())
         live = f"colocated-grpo-failure-{agent.pid}-{agent.create_time():.0f}-0"
         assert [p.name for p in claims.iterdir()] == [live], "the live launch's claim stays, the ended one's is gone"

@@ -118,6 +118,7 @@ def stop_with_torchrun_agent() -> None:
 def report_failure(exc: BaseException, explained: bool, show_cause: bool = False) -> None:
     """Log `exc` with its traceback to the log files; print it on the console once per launch (a traceback only
     when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward)."""
+    failed_at = str(int(time.time()))  # before the wait below: torchrun's root cause is the earliest failure
     line = f"{type(exc).__name__}: {exc}"
     run_files.log_to_files(log, logging.ERROR, "run failed", (type(exc), exc, exc.__traceback__))
     if not _first_to_report():
@@ -131,7 +132,7 @@ def report_failure(exc: BaseException, explained: bool, show_cause: bool = False
     sys.stderr.flush()
     # Not torch's ErrorHandler.record_exception: it writes the whole traceback, which torchrun's closing block repeats
     if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        info = {"py_callstack": line, "timestamp": failed_at}
         Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
 
 
