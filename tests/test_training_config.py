@@ -140,7 +140,21 @@ def test_fixed_completion_length_maps_to_each_backends_own_kwargs():
         "+experiment=gpu_smoke", "placement=none", "trainer.bf16=false", "run.fixed_completion_length=false"
     )
     assert grpo_config(cfg, "unused", []).generation_kwargs is None
-    _fails("run.fixed_completion_length must be true or false", "run.fixed_completion_length=sometimes")
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("run.cpu_kvcache_gb=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+        ("run.fixed_completion_length=sometimes", "Value 'sometimes' is not a valid bool"),
+        ("telemetry.interval_s=abc", "Value 'abc' of type 'str' could not be converted to Float"),
+        ("run.resum=auto", "Key 'resum' not in 'Run'"),
+    ],
+)
+def test_our_own_groups_refuse_a_wrong_type_or_key_as_hydra_composes_naming_it(override, says):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_train(override)
+    assert says in str(err.value.__cause__) and f"full_key: {override.split('=')[0]}" in str(err.value.__cause__)
 
 
 # gpu_smoke sets run.name (the default takes it from Hydra's runtime); its fixed lengths are turned off here.
