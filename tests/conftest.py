@@ -5,15 +5,18 @@ fast set, seconds instead of minutes."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
+from filelock import FileLock
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
 from colocated_grpo.run_files import read_jsonl
@@ -55,6 +58,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if E2E_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.e2e)
+            # pytest-xdist (-n 2 --dist loadgroup, pyproject.toml): a file's e2e tests share its module fixtures' runs,
+            # so they go to one worker; the fast tests spread one by one
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Two workers: a test's processes leave a core idle much of the time. GPU tests share the GPUs: one at a time."""
+    return 0 if config.option.markexpr.strip() == "gpu" else 2
 
 
 @pytest.fixture(scope="session")
@@ -118,9 +129,15 @@ def train(run_env, tmp_path_factory):
     --nproc_per_node`; env: variables added to the run's environment."""
 
     def _train(
-        *overrides: str, nproc: int | None = None, timeout: int = 900, check: bool = True, env: dict | None = None
+        *overrides: str,
+        nproc: int | None = None,
+        timeout: int = 900,
+        check: bool = True,
+        env: dict | None = None,
+        run_dir: Path | None = None,
     ) -> Run:
-        run_dir = tmp_path_factory.mktemp("run")
+        run_dir = run_dir or tmp_path_factory.mktemp("run")
+        run_dir.mkdir(parents=True, exist_ok=True)
         args = [f"hydra.run.dir={run_dir}", *overrides]
         cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
         env = {**run_env, **(env or {})}  # no MASTER_PORT: a plain run holds a rendezvous port of its own
@@ -155,17 +172,39 @@ TP2 = (
 )
 
 
+def once_per_session(name: str, tmp_path_factory, make: Callable[[], Run]) -> Run:
+    """`make()` once for the whole session, its Run shared by every xdist worker (the first to ask makes it, the
+    others wait for it and read it back)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make()
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, common to its workers
+    with FileLock(shared / f"{name}.lock"):
+        record = shared / f"{name}.json"
+        if record.exists():
+            done = json.loads(record.read_text())
+            run = Run(Path(done["dir"]), subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"]))
+        else:
+            run = make()
+            done = {"dir": str(run.dir), "args": run.proc.args, "stdout": run.proc.stdout, "stderr": run.proc.stderr}
+            record.write_text(json.dumps(done))
+        return run
+
+
 @pytest.fixture(scope="session")
-def moving_run(train) -> Run:
-    return train(*MOVING)
+def moving_run(train, tmp_path_factory) -> Run:
+    return once_per_session("moving_run", tmp_path_factory, lambda: train(*MOVING))
 
 
 @pytest.fixture(scope="session")
 def tp2_run(train, tmp_path_factory) -> Run:
-    """Its sampled token ids are in run.tokens (tokens-rank<R>.jsonl)."""
-    tokens = tmp_path_factory.mktemp("tp2-tokens")
-    run = train(*TP2, nproc=2, env={"TOKEN_RECORD_DIR": str(tokens)})
-    run.tokens = tokens
+    """Its sampled token ids are in run.tokens (tokens-rank<R>.jsonl, beside its run directory)."""
+
+    def make() -> Run:
+        tokens = tmp_path_factory.mktemp("run") / "tokens"
+        return train(*TP2, nproc=2, env={"TOKEN_RECORD_DIR": str(tokens)}, run_dir=tokens.parent / "run")
+
+    run = once_per_session("tp2_run", tmp_path_factory, make)
+    run.tokens = run.dir.parent / "tokens"
     return run
 
 
