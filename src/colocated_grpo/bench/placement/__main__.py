@@ -13,20 +13,18 @@ The model: docs/placement.md.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from colocated_grpo.bench import command_parser
 from colocated_grpo.bench.placement import calibration, figures, validation
-from colocated_grpo.bench.placement.model import PHASES, Workload, placements, predict
+from colocated_grpo.bench.placement.model import Workload, placements, predict
 from colocated_grpo.provenance import FIGURES, require_extra
+from colocated_grpo.run_files import write_json
+from colocated_grpo.telemetry.phases import PHASES
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m colocated_grpo.bench.placement",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("colocated_grpo.bench.placement", __doc__, prog)
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="build a calibration file from one-GPU study directories")
     cal.add_argument("directories", nargs="+", help="study (or sweep) directories; multi-GPU jobs are left out")
@@ -47,8 +45,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.command == "calibrate":
-        path = calibration.save(calibration.build(args.directories), args.out)
-        print(path)
+        write_json(Path(args.out), calibration.build(args.directories))
+        print(Path(args.out))
     elif args.command == "predict":
         if args.figure:
             require_extra("notebooks", FIGURES, "placement predict --figure")
@@ -89,8 +87,8 @@ def _predict(args) -> None:
 def _validate(args) -> None:
     cal = calibration.load(args.calibration)
     table = validation.rows(cal, args.directories)
-    command = " ".join(["python -m colocated_grpo.bench.placement validate", f"--calibration {args.calibration}"])
-    command += " " + " ".join(map(str, args.directories)) + (f" --out {args.out}" if args.out else "")
+    command = " ".join(["python -m colocated_grpo.bench.placement validate --calibration", args.calibration])
+    command += " " + " ".join(args.directories) + (f" --out {args.out}" if args.out else "")
     text = (
         "# Placement model: predicted against measured step times\n\n"
         f"```\n{command}\n```\n\n"

@@ -1,8 +1,7 @@
 """The calibration file: what one GPU measured, in the units the model uses (docs/placement.md).
 
-Built by `calibrate` from study directories of one-GPU runs (and one-GPU generation benchmarks): jobs on more than
-one GPU are left out (they are what `validate` checks the model against), and so are jobs whose request and sync
-differ (a case with fast outputs and TRL's sync feeds the generation curve of fast outputs and the TRL sync cost).
+Built by `calibrate` from the one-GPU runs and generation benchmarks of study directories; multi-GPU jobs are left
+out (`validate` checks the model against them). A run's outputs and its sync each feed their own curve or cost.
 
     {"format": 1, "gpu": {...}, "sources": [...], "notes": [...],
      "models": {"qwen2.5-1.5b": {
@@ -17,6 +16,7 @@ differ (a case with fast outputs and TRL's sync feeds the generation curve of fa
 
 from __future__ import annotations
 
+import csv
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -24,7 +24,7 @@ from pathlib import Path
 from colocated_grpo.bench.placement import measured
 from colocated_grpo.bench.placement.shapes import shape_for
 from colocated_grpo.provenance import REPO
-from colocated_grpo.run_files import read_json, write_json
+from colocated_grpo.run_files import read_json
 
 FORMAT = 1
 
@@ -61,13 +61,14 @@ def build(directories: list[str | Path], gpu: dict | None = None) -> dict:
 
 def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> dict:
     first = jobs[0]
+    kv_tokens = [j.kv_cache_tokens for j in jobs if j.kv_cache_tokens]
     entry = {
         "params_b": first.params_b,
         "kv_bytes_per_token": shape_for(first.params_b).kv_bytes_per_token,
         "prompt_tokens": statistics.mean(j.prompt_tokens for j in jobs),
         "completion_tokens": statistics.mean(j.completion_tokens for j in jobs),
         "mem": statistics.mode(j.mem for j in jobs),
-        "kv_cache_tokens": _mean([j.kv_cache_tokens for j in jobs if j.kv_cache_tokens]),
+        "kv_cache_tokens": statistics.mean(kv_tokens) if kv_tokens else None,
         "generate": {},
         "sync_s": {},
     }
@@ -84,8 +85,9 @@ def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> d
             entry["sync_s"][name] = statistics.mean(sync)
     sleep = [j.phases["sleep_wake"] for j in jobs if j.placement == "colocate_sleep"]
     entry["sleep_wake_s"] = statistics.mean(sleep) if sleep else None
-    for phase in ("train", "other"):
-        entry[phase] = _line([(_tokens_per_gpu(j), j.phases[phase]) for j in jobs])
+    per_gpu = [(j.completions / j.train_gpus * (j.prompt_tokens + j.completion_tokens), j.phases) for j in jobs]
+    for phase in ("train", "other"):  # against the tokens each training GPU handles
+        entry[phase] = _line([(tokens, phases[phase]) for tokens, phases in per_gpu])
     entry["reward_s_per_completion"] = statistics.mean(j.phases["reward"] / j.completions for j in jobs)
     entry["server_engine"] = _server_engine(entry, benches, first.model, notes)
     return entry
@@ -103,7 +105,7 @@ def _server_engine(entry: dict, benches: list[dict], model: str, notes: list[str
     ]
     if direct:
         return {"curve": sorted(direct)}
-    fast = dict((b, r) for b, r in entry["generate"].get("fast", []))
+    fast = dict(entry["generate"].get("fast", []))
     for b in benches:
         s = b["settings"]
         if s.get("engine", "default") == "default" and s.get("prompts") in fast and not b.get("results"):
@@ -138,10 +140,8 @@ def _build_name(option: str) -> str:
 
 
 def _train_memory(directories, calibration: dict) -> None:
-    """The most a training GPU held while training with sleep mode (vLLM's share handed back): results.csv's
-    train_mem_gb of one-GPU colocate_sleep cases."""
-    import csv
-
+    """The most a training GPU held while training with sleep mode: train_mem_gb of results.csv's one-GPU
+    colocate_sleep cases."""
     for d in directories:
         path = Path(d) / "results.csv"
         if not path.exists():
@@ -150,10 +150,6 @@ def _train_memory(directories, calibration: dict) -> None:
             model = calibration["models"].get(_build_name(row["model"]))
             if model is not None and row["placement"] == "colocate_sleep" and row["gpus"] == "1":
                 model["train_gb"] = max(model.get("train_gb") or 0.0, float(row["train_mem_gb"]))
-
-
-def _tokens_per_gpu(job: measured.Job) -> float:
-    return job.completions / job.train_gpus * (job.prompt_tokens + job.completion_tokens)
 
 
 def _line(points: list[tuple[float, float]]) -> dict:
@@ -165,15 +161,6 @@ def _line(points: list[tuple[float, float]]) -> dict:
     if fixed < 0:
         return {"fixed_s": 0.0, "s_per_token": sum(ys) / sum(xs)}
     return {"fixed_s": fixed, "s_per_token": slope}
-
-
-def _mean(values):
-    return statistics.mean(values) if values else None
-
-
-def save(calibration: dict, path: str | Path) -> Path:
-    write_json(Path(path), calibration)
-    return Path(path)
 
 
 def load(path: str | Path) -> dict:

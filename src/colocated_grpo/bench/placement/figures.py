@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from colocated_grpo.bench.placement.model import PHASES, Prediction, Workload
+from colocated_grpo.bench.placement.model import Prediction, Workload
+from colocated_grpo.telemetry.phases import PHASES
 
 
 def ranking(predictions: list[Prediction], workload: Workload, title: str):
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.5 * len(predictions) + 2.5))
+    fig = Figure(figsize=(12, 0.5 * len(predictions) + 2.5))
+    left, right = fig.subplots(1, 2)
     names = [p.placement.name + ("" if p.fits else " (does not fit)") for p in predictions]
     start = [0.0] * len(predictions)
     for phase in PHASES:
@@ -31,12 +30,10 @@ def ranking(predictions: list[Prediction], workload: Workload, title: str):
 
 
 def validation(table: list[dict]):
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 6))
+    fig = Figure(figsize=(6, 6))
+    ax = fig.subplots()
     rows = [r for r in table if "error" in r]
     top = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.1
     for share, style in ((0.0, "-"), (0.1, "--"), (0.2, ":")):

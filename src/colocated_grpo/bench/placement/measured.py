@@ -14,8 +14,7 @@ from colocated_grpo.analysis import tables
 from colocated_grpo.bench.placement.shapes import SHAPES
 from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.run_files import read_json
-
-PHASES = ("generate", "sync_weights", "sleep_wake", "reward", "train", "other")
+from colocated_grpo.telemetry.phases import PHASES
 
 
 @dataclass

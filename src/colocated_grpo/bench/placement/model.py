@@ -1,18 +1,6 @@
-"""The per-phase model of one GRPO step (docs/placement.md). Every phase is a formula of the workload, the placement
-and the calibration; nothing here is fitted to multi-GPU runs.
-
-    generate   per engine: L · t_step(b) + prefill,  b = completions per engine (C/N colocated, C/K on a server of K),
-               t_step(b) = b / rate(b) from the calibration's curve (log-log interpolation; flat below its smallest
-               batch, linear in b past its largest), plus the extra KV reads of a longer context,
-               and in waves when the batch does not fit the engine's KV cache
-    sync       the calibration's sync time (colocated: per engine, in parallel; server: TRL's sync, see docs)
-    sleep_wake the calibration's sleep + wake cost (sleep mode only)
-    train      fixed + s_per_token · tokens per training GPU + gradient all-reduce over T training GPUs
-    other      fixed + s_per_token · tokens per training GPU (old log-probs, advantages, gathers)
-    reward     s per completion · completions per training GPU
-
-A model size the calibration did not measure gets every per-model quantity by linear interpolation (or
-extrapolation) in parameters between the two nearest calibrated sizes, and is flagged.
+"""The per-phase model of one GRPO step: each phase a formula of the workload, the placement and the calibration,
+nothing fitted to multi-GPU runs (the formulas: docs/placement.md). A model size the calibration lacks is
+interpolated (or extrapolated) in parameters between the two nearest calibrated sizes, and flagged.
 """
 
 from __future__ import annotations
@@ -22,8 +10,6 @@ import math
 from dataclasses import dataclass, field
 
 from colocated_grpo.bench.placement.shapes import shape_for
-
-PHASES = ("generate", "sync_weights", "sleep_wake", "reward", "train", "other")
 
 
 @dataclass(frozen=True)
@@ -90,40 +76,34 @@ def predict(calibration: dict, workload: Workload, placement: Placement) -> Pred
     tokens_per_trainer = per_trainer * (workload.prompt_tokens + workload.completion_tokens)
 
     if placement.kind == "server":
-        curve = m["server_curve"]
-        mem = 0.9  # the server's engine has its GPU to itself
+        curve, mem = m["server_curve"], 0.9  # the server's engine has its GPU to itself
     else:
         outputs = "trl" if placement.request == "trl" else "fast"  # mixed: fast outputs, TRL's sync
         curve = m["generate"].get(outputs) or m["generate"]["trl"]
         mem = m["mem"]
-    generate, gen_flags = _generate_s(curve, per_engine, workload, m, gpu, mem)
-    flags += gen_flags
     sync_key = "fast" if placement.kind != "server" and placement.request == "fast" else "trl"
     sync = m["sync_s"].get(sync_key, m["sync_s"].get("trl", 0.0))
-    allreduce = 0.0
-    if placement.train_gpus > 1:  # ring all-reduce of bf16 gradients, not overlapped with backward (an upper bound)
-        t = placement.train_gpus
-        allreduce = 2 * (t - 1) / t * 2 * workload.params_b / gpu["allreduce_gb_s"]
+    # ring all-reduce of bf16 gradients, not overlapped with backward (an upper bound); none on one training GPU
+    t = placement.train_gpus
+    allreduce = 2 * (t - 1) / t * 2 * workload.params_b / gpu["allreduce_gb_s"]
     phases = {
-        "generate": generate,
+        "generate": _generate_s(curve, per_engine, workload, m, gpu, mem, flags),
         "sync_weights": sync,
         "sleep_wake": m["sleep_wake_s"] if placement.kind == "colocate_sleep" else 0.0,
         "reward": m["reward_s_per_completion"] * per_trainer,
         "train": m["train"]["fixed_s"] + m["train"]["s_per_token"] * tokens_per_trainer + allreduce,
         "other": m["other"]["fixed_s"] + m["other"]["s_per_token"] * tokens_per_trainer,
     }
-    fits = True
     train_gb = m["train_gb"]
-    if train_gb is not None:
-        held = train_gb + (mem * gpu["memory_gb"] if placement.kind == "colocate" else 0.0)
-        if held > gpu["memory_gb"]:
-            fits = False
-            flags.append(f"does not fit: ~{held:.0f} GB on a training GPU (training ~{train_gb:.0f} GB + vLLM)")
+    held = None if train_gb is None else train_gb + (mem * gpu["memory_gb"] if placement.kind == "colocate" else 0.0)
+    fits = held is None or held <= gpu["memory_gb"]
+    if not fits:
+        flags.append(f"does not fit: ~{held:.0f} GB on a training GPU (training ~{train_gb:.0f} GB + vLLM)")
     return Prediction(placement, phases, fits, flags)
 
 
-def _generate_s(curve, batch, workload, m, gpu, mem) -> tuple[float, list[str]]:
-    flags = []
+def _generate_s(curve, batch, workload, m, gpu, mem, flags: list[str]) -> float:
+    """Seconds one engine takes to generate `batch` completions; what it extrapolates is added to `flags`."""
     context = workload.prompt_tokens + workload.completion_tokens
     capacity = _kv_capacity(m, gpu, mem)
     waves = max(1, math.ceil(batch * context / capacity)) if capacity else 1
@@ -135,17 +115,11 @@ def _generate_s(curve, batch, workload, m, gpu, mem) -> tuple[float, list[str]]:
     calibrated = m["prompt_tokens"] + m["completion_tokens"] / 2
     extra = wave * (workload.prompt_tokens + workload.completion_tokens / 2 - calibrated) * m["kv_bytes_per_token"]
     step += max(extra, 0.0) / (gpu["hbm_gb_s"] * 1e9)
-    prefill = (
-        2
-        * workload.params_b
-        * 1e9
-        * batch
-        * workload.prompt_tokens
-        / (gpu["peak_tflops"] * 1e12 * gpu["prefill_efficiency"])
-    )
+    prefill_flops = 2 * workload.params_b * 1e9 * batch * workload.prompt_tokens
+    prefill = prefill_flops / (gpu["peak_tflops"] * 1e12 * gpu["prefill_efficiency"])
     if batch > curve[-1][0] * 1.01:
         flags.append(f"{batch:.0f} completions per engine: past the calibrated {curve[-1][0]:.0f} (extrapolated)")
-    return waves * workload.completion_tokens * step + prefill, flags
+    return waves * workload.completion_tokens * step + prefill
 
 
 def _step_s(curve: list[list[float]], batch: float) -> float:
@@ -192,30 +166,27 @@ def _model_quantities(calibration: dict, params_b: float) -> dict:
 
     gpu = calibration["gpu"]
 
-    def curve(ca, cb):  # seconds per decoding step at each batch both measured
-        cb = dict((bb, r) for bb, r in cb)
-        out = []
-        for bb, r in ca:
-            if bb not in cb:
-                continue
-            ta, tb = bb / r, bb / cb[bb]
-            if params_b > b["params_b"]:  # larger than calibrated: the larger model plus the added weights' roofline
-                added = (params_b - b["params_b"]) * 1e9
-                t = tb + added * max(2 / (gpu["hbm_gb_s"] * 1e9), 2 * bb / (gpu["peak_tflops"] * 1e12 * 0.4))
-            else:
-                t = max(mix(ta, tb), min(ta, tb))
-            out.append([bb, bb / t])
-        return out
+    def step_s(bb, ta, tb):  # seconds per decoding step at batch bb, from model a's and model b's
+        if params_b > b["params_b"]:  # larger than calibrated: the larger model plus the added weights' roofline
+            added = (params_b - b["params_b"]) * 1e9
+            return tb + added * max(2 / (gpu["hbm_gb_s"] * 1e9), 2 * bb / (gpu["peak_tflops"] * 1e12 * 0.4))
+        return max(mix(ta, tb), min(ta, tb))
 
-    shape = shape_for(params_b)
-    entry = {
+    def curve(ca, cb):  # at each batch both measured
+        cb = dict(cb)
+        return [[bb, bb / step_s(bb, bb / r, bb / cb[bb])] for bb, r in ca if bb in cb]
+
+    kv_bytes_per_token = shape_for(params_b).kv_bytes_per_token
+    generate = {k: curve(a["generate"][k], b["generate"][k]) for k in a["generate"] if k in b["generate"]}
+    kind = "extrapolated" if not a["params_b"] <= params_b <= b["params_b"] else "interpolated"
+    return {
         "params_b": params_b,
-        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "kv_bytes_per_token": kv_bytes_per_token,
         "prompt_tokens": a["prompt_tokens"],
         "completion_tokens": a["completion_tokens"],
         "mem": a["mem"],
-        "kv_cache_tokens": None,
-        "generate": {k: curve(a["generate"][k], b["generate"][k]) for k in a["generate"] if k in b["generate"]},
+        "kv_cache_tokens": max(a["mem"] * gpu["memory_gb"] - 2 * params_b, 0) * 1e9 / kv_bytes_per_token,
+        "generate": generate,
         # never below the nearer calibrated model's sync scaled by parameters (the weights to move)
         "sync_s": {
             k: max(mix(a["sync_s"][k], b["sync_s"][k]), near["sync_s"].get(k, 0.0) * params_b / near["params_b"])
@@ -229,15 +200,9 @@ def _model_quantities(calibration: dict, params_b: float) -> dict:
         "train_gb": mix(a["train_gb"] / a["params_b"], b["train_gb"] / b["params_b"]) * params_b
         if a.get("train_gb") and b.get("train_gb")
         else (a.get("train_gb") or b.get("train_gb") or 0) / a["params_b"] * params_b or None,
+        "server_curve": [[bb, r * mix(_factor(a), _factor(b))] for bb, r in generate["trl"]],
+        "flags": [f"{params_b} B: {kind} from the calibrated {a['params_b']:.2f} B and {b['params_b']:.2f} B"],
     }
-    weights_gb = 2 * params_b
-    entry["kv_cache_tokens"] = (
-        max(a["mem"] * calibration["gpu"]["memory_gb"] - weights_gb, 0) * 1e9 / (entry["kv_bytes_per_token"])
-    )
-    entry["server_curve"] = [[bb, r * mix(_factor(a), _factor(b))] for bb, r in entry["generate"]["trl"]]
-    kind = "extrapolated" if not a["params_b"] <= params_b <= b["params_b"] else "interpolated"
-    entry["flags"] = [f"{params_b} B: {kind} from the calibrated {a['params_b']:.2f} B and {b['params_b']:.2f} B"]
-    return entry
 
 
 def _filled(entry: dict, models: list[dict]) -> dict:
@@ -258,6 +223,4 @@ def _factor(entry: dict) -> float:
 
 def _server_curve(entry: dict) -> list[list[float]]:
     server = entry.get("server_engine") or {}
-    if "curve" in server:
-        return server["curve"]
-    return [[b, r * server.get("factor", 1.0)] for b, r in entry["generate"]["trl"]]
+    return server["curve"] if "curve" in server else [[b, r * _factor(entry)] for b, r in entry["generate"]["trl"]]
