@@ -55,12 +55,26 @@ E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
 
 
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist (--dist loadgroup, pyproject.toml): the tests of a file that share a module fixture (a run made
+    # once for them), directly or through another test, go to one worker; every other test goes wherever one is free
+    group: dict[tuple, tuple] = {}
+
+    def root(key: tuple) -> tuple:
+        while group.setdefault(key, key) != key:
+            key = group[key]
+        return key
+
+    shared = {}
     for item in items:
         if E2E_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.e2e)
-            # pytest-xdist (-n 2 --dist loadgroup, pyproject.toml): a file's e2e tests share its module fixtures' runs,
-            # so they go to one worker; the fast tests spread one by one
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        defs = item._fixtureinfo.name2fixturedefs
+        shared[item] = [(item.path.stem, name) for name, d in defs.items() if d and d[-1].scope == "module"]
+        for other in shared[item][1:]:
+            group[root(other)] = root(shared[item][0])
+    for item, fixtures in shared.items():
+        if fixtures:
+            item.add_marker(pytest.mark.xdist_group(":".join(root(fixtures[0]))))
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -201,6 +215,7 @@ def tp2_run(train, tmp_path_factory) -> Run:
 
     def make() -> Run:
         tokens = tmp_path_factory.mktemp("run") / "tokens"
+        tokens.mkdir()
         return train(*TP2, nproc=2, env={"TOKEN_RECORD_DIR": str(tokens)}, run_dir=tokens.parent / "run")
 
     run = once_per_session("tp2_run", tmp_path_factory, make)
