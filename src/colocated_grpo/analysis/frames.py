@@ -1,5 +1,5 @@
-"""One run's per-step files as pandas frames, for notebooks, figures and tests: `load_run` (metrics.jsonl),
-`load_gpu_samples` (gpu_samples.jsonl) and `load_phases` (phases.jsonl: what each rank did when)."""
+"""One run's per-step files as pandas frames: `load_run` (metrics.jsonl), `load_gpu_samples` (gpu_samples.jsonl) and
+`load_phases` (phases.jsonl: what each rank did when)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ PHASE_COLUMNS = (STEP_KEY, "rank", "phase", "start", "end")
 
 
 def newest_dir(name: str) -> Path:
-    """The most recently changed directory in NAME/ (`sweeps`, `outputs/runs`), looked for in the current directory
-    and one level up (a notebook runs in notebooks/)."""
+    """The most recently changed directory in NAME/ (`sweeps`, `outputs/runs`), here or one level up (notebooks/)."""
     for root in (Path(name), Path("..") / name):
         dirs = [p for p in root.glob("*") if p.is_dir()]
         if dirs:
@@ -28,31 +27,25 @@ def load_run(run_dir: str | Path):
     (TRL's, e.g. `reward`, `rewards/<name>/mean`, `completions/mean_length`, and the telemetry's)."""
     import pandas as pd
 
-    path = Path(run_dir) / run_files.METRICS
-    frame = pd.DataFrame(read_jsonl(path))
+    frame = pd.DataFrame(read_jsonl(Path(run_dir) / run_files.METRICS))
     if STEP_KEY not in frame:
         return pd.DataFrame(columns=[STEP_KEY])
     return frame.sort_values(STEP_KEY, kind="stable").reset_index(drop=True)
 
 
 def load_gpu_samples(run_dir: str | Path):
-    """gpu_samples.jsonl as a DataFrame (SAMPLE_COLUMNS): one row per NVML sample of a GPU, labelled with the rank
-    that took it and the phase that rank was in. `t` is that rank's clock (time.perf_counter), like load_phases'.
-    Empty (with the columns) when there were no samples: no NVML, e.g. on CPU."""
+    """gpu_samples.jsonl as a DataFrame (SAMPLE_COLUMNS): one row per NVML sample of a GPU, with the rank that took it
+    and that rank's phase; `t` is the rank's time.perf_counter, as in load_phases. Empty without NVML (CPU)."""
     import pandas as pd
 
-    path = Path(run_dir) / run_files.GPU_SAMPLES
-    frame = pd.DataFrame(read_jsonl(path), columns=list(SAMPLE_COLUMNS))
+    frame = pd.DataFrame(read_jsonl(Path(run_dir) / run_files.GPU_SAMPLES), columns=list(SAMPLE_COLUMNS))
     frame["gpu"] = frame["gpu"].astype(str)
     return frame.sort_values(["rank", "t", "gpu"], kind="stable").reset_index(drop=True)
 
 
 def load_phases(run_dir: str | Path):
     """What each rank did when: one row per phase interval (PHASE_COLUMNS), adjacent pieces of one phase merged.
-
-    From phases.jsonl (exact phase edges) when the run wrote it; else derived from the GPU samples' phase labels
-    (phases_from_samples), for runs from before phases.jsonl existed. Empty when there is neither.
-    """
+    From phases.jsonl, else from the GPU samples' phase labels (older runs); empty when there is neither."""
     import pandas as pd
 
     path = Path(run_dir) / run_files.PHASES
@@ -66,12 +59,8 @@ def merge_phases(phases):
     if phases.empty:
         return phases.reset_index(drop=True)
     p = phases.sort_values(["rank", "start"], kind="stable").reset_index(drop=True)
-    same = (
-        (p["rank"] == p["rank"].shift())
-        & (p["phase"] == p["phase"].shift())
-        & (p[STEP_KEY] == p[STEP_KEY].shift())
-        & (p["start"] <= p["end"].shift())
-    )
+    keys = p[["rank", "phase", STEP_KEY]]
+    same = (keys == keys.shift()).all(axis=1) & (p["start"] <= p["end"].shift())
     merged = p.groupby((~same).cumsum(), sort=False).agg(
         {STEP_KEY: "first", "rank": "first", "phase": "first", "start": "min", "end": "max"}
     )
@@ -79,29 +68,16 @@ def merge_phases(phases):
 
 
 def phases_from_samples(samples):
-    """Phase intervals from the phase labels of GPU samples: each run of consecutive samples of one rank in the same
-    phase and step becomes an interval from its first sample to the next run's first sample (the last one ends a
-    sampling interval after its last sample). As coarse as the sampling interval."""
+    """Phase intervals from GPU samples' labels: each run of a rank's samples in one phase and step lasts from its
+    first sample to the next run's (the last one a sampling interval past its last sample)."""
     import pandas as pd
 
-    rows = []
-    for rank, group in samples.groupby("rank", sort=True):
-        g = group.drop_duplicates("t").sort_values("t")  # one rank samples all its GPUs at one time
-        t = g["t"].to_numpy()
-        interval = float(pd.Series(t).diff().median()) if len(t) > 1 else 0.0
-        key = list(zip(g[STEP_KEY], g["phase"], strict=True))
-        start = 0
-        for i in range(1, len(t) + 1):
-            if i == len(t) or key[i] != key[start]:
-                end = t[i] if i < len(t) else t[i - 1] + interval
-                rows.append(
-                    {
-                        STEP_KEY: key[start][0],
-                        "rank": rank,
-                        "phase": key[start][1],
-                        "start": float(t[start]),
-                        "end": float(end),
-                    }
-                )
-                start = i
-    return pd.DataFrame(rows, columns=list(PHASE_COLUMNS))
+    spans = []
+    for rank, own in samples.groupby("rank", sort=True):
+        own = own.drop_duplicates("t").sort_values("t")  # one rank samples all its GPUs at one time
+        interval = own["t"].diff().median() if len(own) > 1 else 0.0
+        first = (own[STEP_KEY] != own[STEP_KEY].shift()) | (own["phase"] != own["phase"].shift())
+        span = own[first].rename(columns={"t": "start"}).assign(rank=rank)
+        span["end"] = span["start"].shift(-1, fill_value=own["t"].iloc[-1] + interval)
+        spans.append(span[list(PHASE_COLUMNS)])
+    return pd.concat(spans, ignore_index=True) if spans else pd.DataFrame(columns=list(PHASE_COLUMNS))

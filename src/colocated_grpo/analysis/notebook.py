@@ -3,10 +3,9 @@
     python -m colocated_grpo.analysis.notebook notebooks/sweep.py sweep_dir=sweeps/2026-11-30_12-00-00_tp_x_gpu_mem \
         figures_dir=sweeps/2026-11-30_12-00-00_tp_x_gpu_mem/figures -o sweep.executed.ipynb
 
-A notebook's defaults are in its cell tagged `parameters`; the values given here go in a cell placed right after
-it (tagged `injected-parameters`, as papermill does). A value is a Python literal where it parses as one (a
-number, None, True) and a string otherwise. The notebook may be the jupytext script (.py) or the .ipynb; it runs
-in the current directory, and a failing cell fails the command.
+The values given go in a cell (tagged `injected-parameters`) right after the one tagged `parameters`, as papermill
+does: a Python literal where one parses (a number, None, True), else a string. The notebook (jupytext .py or .ipynb)
+runs in the current directory; a failing cell fails the command.
 """
 
 from __future__ import annotations
@@ -17,19 +16,6 @@ import os
 from pathlib import Path
 
 from colocated_grpo.provenance import NOTEBOOKS, require_extra
-
-
-def with_parameters(nb, parameters: dict):
-    """The notebook with a cell setting `parameters` after its `parameters` cell (or first, when it has none)."""
-    import nbformat
-
-    if not parameters:
-        return nb
-    source = "# Parameters\n" + "".join(f"{name} = {value!r}\n" for name, value in parameters.items())
-    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
-    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
-    nb.cells.insert(tagged[0] + 1 if tagged else 0, cell)
-    return nb
 
 
 def execute(
@@ -45,7 +31,12 @@ def execute(
     import nbformat
     from nbclient import NotebookClient
 
-    nb = with_parameters(jupytext.read(notebook), parameters or {})
+    nb = jupytext.read(notebook)
+    if parameters:  # a cell setting them, after the one tagged `parameters` (or first, when none is)
+        source = "# Parameters\n" + "".join(f"{name} = {value!r}\n" for name, value in parameters.items())
+        cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+        tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+        nb.cells.insert(tagged[0] + 1 if tagged else 0, cell)
     client = NotebookClient(
         nb, kernel_name="python3", timeout=timeout, resources={"metadata": {"path": str(cwd or os.getcwd())}}
     )

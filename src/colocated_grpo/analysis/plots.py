@@ -10,10 +10,8 @@ Run (frames.load_run, load_gpu_samples, load_phases):
     training_curves       reward (and each reward function) and completion length against train/global_step
     step_phases           each step's time, stacked by phase
 
-Every function returns a matplotlib Figure (no pyplot state: safe in scripts and notebooks alike; in a notebook,
-after `%matplotlib inline`, a cell ending in a figure shows it) and draws a note instead of failing where the data
-is missing: no GPU samples on a machine without NVML, no server job in a sweep, a sparse grid. The notebooks in
-notebooks/ and `python -m colocated_grpo.analysis render DIR` call the same functions.
+Every function returns a matplotlib Figure (no pyplot state; a notebook cell ending in one shows it) and draws a
+note where data is missing (no NVML, no server job, a sparse grid). The notebooks and `render DIR` call them.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
@@ -39,6 +38,7 @@ PHASE_COLORS = {
     "other": "#B0B0B0",
 }
 COLOCATED = ("colocate", "colocate_sleep")
+PLACEMENT_ORDER = {"colocate": 0, "colocate_sleep": 1, "server": 2, "none": 3}  # the bars' order; others last
 TP, MEMORY = "vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"
 FAIRNESS_NOTE = (
     "Per GPU used counts the vLLM server's GPUs too: the same hardware on both sides, the fair comparison.\n"
@@ -51,10 +51,8 @@ NO_NVML = "no GPU samples (no NVML)"
 
 
 def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu", higher_is_better: bool | None = None) -> Figure:
-    """`metric` of the finished colocated jobs over vLLM TP (rows) × gpu_memory_utilization (columns); the mean
-    where several jobs share a cell, the best cell framed (the highest, or the lowest for times and memory unless
-    `higher_is_better` says). Cells without a number say why (skipped, failed, no data); cells with no job stay
-    blank."""
+    """`metric` of the finished colocated jobs over vLLM TP (rows) × gpu_memory_utilization (columns): the mean per
+    cell, the best one framed (highest; lowest for times and memory unless `higher_is_better` says)."""
     if higher_is_better is None:
         higher_is_better = not metric.startswith(("timing_s/", "memory/"))
     grid = jobs[jobs["placement"].isin(COLOCATED) & jobs[TP].notna() & jobs[MEMORY].notna()]
@@ -65,29 +63,20 @@ def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu", higher_i
         return fig
     for ax, placement in zip(fig.subplots(1, len(placements), squeeze=False)[0], placements, strict=True):
         sub = grid[grid["placement"] == placement]
-        tps, memories = sorted(sub[TP].astype(int).unique()), sorted(sub[MEMORY].astype(float).unique())
-        values = [[math.nan] * len(memories) for _ in tps]
-        labels = [[""] * len(memories) for _ in tps]
-        for (tp, memory), cell in sub.groupby([sub[TP].astype(int), sub[MEMORY].astype(float)]):
-            i, j = tps.index(tp), memories.index(memory)
-            numbers = cell.loc[cell["status"] == "finished", metric].dropna()
-            if len(numbers):
-                values[i][j] = float(numbers.mean())
-                labels[i][j] = _fmt(values[i][j]) + (f"\n(mean of {len(numbers)})" if len(numbers) > 1 else "")
-            else:
-                statuses = sorted(set(cell["status"].dropna()))
-                labels[i][j] = "\n".join("no data" if s == "finished" else s for s in statuses) or "?"
+        cells = sub.groupby([sub[TP].astype(int), sub[MEMORY].astype(float)])[["status", metric]]
+        means = cells.apply(lambda cell: cell.loc[cell["status"] == "finished", metric].mean()).unstack()
+        labels = cells.apply(_cell_label, metric).unstack(fill_value="")  # a cell with no job stays blank
+        values = means.to_numpy(float)
         image = ax.imshow(values, cmap=colormaps["viridis"].with_extremes(bad="#EEEEEE"), origin="lower", aspect="auto")
-        finite = [(v, i, j) for i, row in enumerate(values) for j, v in enumerate(row) if not math.isnan(v)]
-        for i, row in enumerate(labels):
-            for j, label in enumerate(row):
-                ax.text(j, i, label, ha="center", va="center", fontsize=9, color=_text_color(image, values[i][j]))
-        if finite:
-            _, i, j = max(finite) if higher_is_better else min(finite)
+        for (i, j), label in np.ndenumerate(labels.to_numpy()):
+            ax.text(j, i, label, ha="center", va="center", fontsize=9, color=_text_color(image, values[i, j]))
+        if not np.isnan(values).all():
+            best = np.nanargmax(values) if higher_is_better else np.nanargmin(values)
+            i, j = np.unravel_index(best, values.shape)
             ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2.5))
             fig.colorbar(image, ax=ax, label=metric)
-        ax.set_xticks(range(len(memories)), [f"{m:g}" for m in memories])
-        ax.set_yticks(range(len(tps)), [str(t) for t in tps])
+        ax.set_xticks(range(len(means.columns)), [f"{m:g}" for m in means.columns])
+        ax.set_yticks(range(len(means.index)), [str(t) for t in means.index])
         ax.set_xlabel("vllm_gpu_memory_utilization")
         ax.set_ylabel("vllm_tensor_parallel_size")
         ax.set_title(f"{placement}: {metric}", fontsize=10)
@@ -103,13 +92,10 @@ def step_breakdown(jobs) -> Figure:
     if done.empty:
         _note(ax, "no job with step timings in this sweep")
         return fig
-    _stack_phases(ax, list(range(len(done))), done, horizontal=True)
     labels = [
         _job_label(row) + ("" if row["status"] == "finished" else f" ({row['status']})") for _, row in done.iterrows()
     ]
-    ax.set_yticks(range(len(done)), labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds per step (steady state)")
+    _stack_phases(ax, done, labels)
     ax.set_title("step time by phase")
     return fig
 
@@ -121,8 +107,7 @@ def peak_memory(jobs) -> Figure:
     fig = Figure(figsize=(6.5, 4.0), layout="constrained")
     ax = fig.subplots()
     if measured.empty:
-        why = f"{NO_NVML}: no memory to plot" if len(done) else "no finished job with a gpu_memory_utilization"
-        _note(ax, why)
+        _note(ax, f"{NO_NVML}: no memory to plot" if len(done) else "no finished job with a gpu_memory_utilization")
         return fig
     for (placement, tp), line in measured.groupby(["placement", TP], sort=True):
         line = line.groupby(MEMORY)["memory/peak_gb"].mean().sort_index()
@@ -148,7 +133,7 @@ def colocate_vs_server(jobs) -> Figure:
         _note(ax, "no finished job with throughput in this sweep")
         return fig
     best = done.loc[done.groupby("placement")["perf/tokens_per_s_per_gpu"].idxmax()]
-    best = best.sort_values("placement", key=lambda p: p.map(_placement_order)).reset_index(drop=True)
+    best = best.sort_values("placement", key=lambda p: p.map(PLACEMENT_ORDER)).reset_index(drop=True)
     per_gpu = best["perf/tokens_per_s_per_gpu"]
     per_train = best["perf/tokens_per_s_per_train_gpu"].fillna(best["perf/tokens_per_s"] / best["world_size"])
     x = range(len(best))
@@ -161,36 +146,23 @@ def colocate_vs_server(jobs) -> Figure:
     server = best[best["placement"] == "server"]
     colocated = best[best["placement"].isin(COLOCATED)]
     if server.empty or colocated.empty:
-        missing = "server" if server.empty else "colocated"
         ax.set_title("best job per placement")
-        text.text(
-            0,
-            1,
-            f"no {missing} jobs in this sweep: no colocate-vs-server speed-up to show.\n" + FAIRNESS_NOTE,
-            va="top",
-            fontsize=8,
+        missing = "server" if server.empty else "colocated"
+        note = f"no {missing} jobs in this sweep: no colocate-vs-server speed-up to show.\n"
+    else:
+        c, s = colocated.loc[colocated["perf/tokens_per_s_per_gpu"].idxmax()], server.iloc[0]
+        ax.set_title(
+            f"{c['placement']} vs server: {c['perf/tokens_per_s_per_gpu'] / s['perf/tokens_per_s_per_gpu']:.2f}× "
+            f"per GPU used, {per_train[c.name] / per_train[s.name]:.2f}× per training GPU"
         )
-        return fig
-    c = colocated.loc[colocated["perf/tokens_per_s_per_gpu"].idxmax()]
-    s = server.iloc[0]
-    c_train = per_train[c.name]
-    s_train = per_train[s.name]
-    ax.set_title(
-        f"{c['placement']} vs server: {c['perf/tokens_per_s_per_gpu'] / s['perf/tokens_per_s_per_gpu']:.2f}× "
-        f"per GPU used, {c_train / s_train:.2f}× per training GPU"
-    )
-    text.text(0, 1, FAIRNESS_NOTE, va="top", fontsize=8)
+        note = ""
+    text.text(0, 1, note + FAIRNESS_NOTE, va="top", fontsize=8)
     return fig
 
 
 def sweep_figures(jobs) -> dict[str, Figure]:
     """Every sweep figure, by name (the PNG's file name)."""
-    return {
-        "throughput_heatmap": throughput_heatmap(jobs),
-        "step_breakdown": step_breakdown(jobs),
-        "peak_memory": peak_memory(jobs),
-        "colocate_vs_server": colocate_vs_server(jobs),
-    }
+    return {plot.__name__: plot(jobs) for plot in (throughput_heatmap, step_breakdown, peak_memory, colocate_vs_server)}
 
 
 # --------------------------------------------------------------------------------------------------------- run
@@ -201,32 +173,24 @@ def study_figure(table) -> Figure:
     GPU used with the speed-up over the study's baseline."""
     models = list(dict.fromkeys(table["model"]))
     fig = Figure(figsize=(13.0, 1.2 + 0.42 * len(table)), layout="constrained")
-    axes = fig.subplots(
-        max(1, len(models)),
-        2,
-        squeeze=False,
-        height_ratios=[max(1, (table["model"] == m).sum()) for m in models] or [1],
-    )
+    heights = [max(1, (table["model"] == m).sum()) for m in models] or [1]
+    axes = fig.subplots(len(heights), 2, squeeze=False, height_ratios=heights)
     for (left, right), model in zip(axes, models, strict=False):
-        cases = table[table["model"] == model].reset_index(drop=True)
-        done = cases[cases["step_s"].notna()].reset_index(drop=True)
+        done = table[(table["model"] == model) & table["step_s"].notna()].reset_index(drop=True)
         if done.empty:
             _note(left, f"{model}: no case finished")
             right.set_axis_off()
             continue
         frame = done.rename(columns={f"{p}_s": f"timing_s/{p}" for p in (*PHASES, "step")})
-        positions = list(range(len(done)))
-        _stack_phases(left, positions, frame, horizontal=True)
-        left.set_yticks(positions, done["case"])
-        left.invert_yaxis()
-        left.set_xlabel("seconds per step (steady state)")
+        _stack_phases(left, frame, done["case"])
         left.set_title(f"{model}: step time by phase", fontsize=10)
+        positions = list(range(len(done)))
         right.barh(positions, done["tokens_per_s_per_gpu"], 0.6, color="#4C72B0")
         for position, (rate, speedup) in enumerate(
             zip(done["tokens_per_s_per_gpu"], done["speedup_vs_baseline"], strict=True)
         ):
             label = f"{rate:,.0f}" + ("" if tables.missing(speedup) else f"  ({speedup:.2f}×)")
-            right.annotate(label, (rate, position), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+            _annotate(right, label, (rate, position), (3, 0), va="center", fontsize=8)
         right.set_yticks(positions, [""] * len(positions))
         right.invert_yaxis()
         right.margins(x=0.25)
@@ -236,22 +200,20 @@ def study_figure(table) -> Figure:
 
 
 def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figure:
-    """One panel per GPU: NVML utilisation (and memory, dashed) over time, shaded by the phase that the rank which
-    sampled it was in; thin lines where steps begin. Without GPU samples (no NVML) the phases of each rank are
-    drawn alone, with the note. `steps=(first, last)`: only those train/global_steps (a long run's timeline is
-    too dense to read whole)."""
+    """One panel per GPU: NVML utilisation (and memory, dashed) over time, shaded by the phases of the rank that
+    sampled it, thin lines where steps begin; without samples (no NVML), each rank's phases alone with the note.
+    `steps=(first, last)`: only those train/global_steps (a long run is too dense to read whole)."""
     if steps is not None:
         samples = samples[samples[STEP_KEY].between(*steps)]
         phases = phases[phases[STEP_KEY].between(*steps)]
-    origin = min(
-        [frame[column].min() for frame, column in ((samples, "t"), (phases, "start")) if len(frame)], default=0.0
-    )
+    origin = min([*samples["t"], *phases["start"]], default=0.0)  # the first moment either saw
     rows = _gpu_order(samples["gpu"].unique()) if len(samples) else sorted(phases["rank"].unique())
     fig = Figure(figsize=(11.0, 1.0 + 1.8 * max(1, len(rows))), layout="constrained")
     if not rows:
         _note(fig.subplots(), f"{NO_NVML} and no phase timings in this run")
         return fig
     axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    starts = phases.groupby(STEP_KEY)["start"].min() - origin
     for ax, row in zip(axes, rows, strict=True):
         if len(samples):
             gpu = samples[samples["gpu"] == row]
@@ -268,21 +230,10 @@ def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figur
             _shade_phases(ax, phases[phases["rank"] == row], origin, 1)
             ax.set_yticks([])
             ax.set_ylabel(f"rank {row}")
-        if len(phases):
-            starts = phases.groupby(STEP_KEY)["start"].min() - origin
-            every = max(1, len(starts) // 30)  # at most ~30 step numbers on a long run
-            for i, (step, start) in enumerate(starts.items()):
-                ax.axvline(start, color="#444444", linewidth=0.6, alpha=0.6)
-                if ax is axes[0] and i % every == 0:
-                    ax.annotate(
-                        str(step),
-                        (start, 1),
-                        xycoords=("data", "axes fraction"),
-                        fontsize=7,
-                        xytext=(2, 2),
-                        textcoords="offset points",
-                        va="bottom",
-                    )
+        for start in starts:
+            ax.axvline(start, color="#444444", linewidth=0.6, alpha=0.6)
+    for step, start in starts.iloc[:: max(1, len(starts) // 30)].items():  # at most ~30 step numbers on top
+        _annotate(axes[0], str(step), (start, 1), (2, 2), xycoords=("data", "axes fraction"), fontsize=7, va="bottom")
     handles = [Patch(color=PHASE_COLORS[p], alpha=0.5, label=p) for p in PHASES if p in set(phases.get("phase", []))]
     if len(samples):
         handles += [
@@ -340,9 +291,7 @@ def step_phases(metrics) -> Figure:
         _note(ax, "no step timings logged (telemetry off?)")
         return fig
     timed = metrics[metrics["timing_s/step"].notna()]
-    _stack_phases(ax, timed[STEP_KEY].tolist(), timed, horizontal=False)
-    ax.set_xlabel(STEP_KEY)
-    ax.set_ylabel("seconds")
+    _stack_phases(ax, timed)
     ax.set_title("step time by phase")
     return fig
 
@@ -359,15 +308,13 @@ def run_figures(metrics, samples, phases) -> dict[str, Figure]:
 # ------------------------------------------------------------------------------------------------ to PNG files
 
 
-def save(figures: dict[str, Figure], out_dir: str | Path, dpi: int = 120) -> list[Path]:
+def save(figures: dict[str, Figure], out_dir: str | Path) -> list[Path]:
     """Write each figure as OUT_DIR/<name>.png; returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
     for name, fig in figures.items():
-        paths.append(out_dir / f"{name}.png")
-        fig.savefig(paths[-1], dpi=dpi)
-    return paths
+        fig.savefig(out_dir / f"{name}.png", dpi=120)
+    return [out_dir / f"{name}.png" for name in figures]
 
 
 class Figures(dict):
@@ -401,35 +348,36 @@ def render(path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
 # ----------------------------------------------------------------------------------------------------- helpers
 
 
-def _stack_phases(ax, positions: list, frame, horizontal: bool) -> None:
-    """Bars at `positions`, stacked by phase from the frame's timing_s/<phase> columns, the total written at the
-    end; a row without phase timings gets one grey bar of its timing_s/step."""
+def _stack_phases(ax, frame, labels=None) -> None:
+    """A bar per row stacked by phase (timing_s/<phase>), the total (timing_s/step) written at its end, a row without
+    phase timings one grey bar. With `labels`: horizontal bars so named (steady state); else at each global step."""
+    horizontal = labels is not None
+    positions = list(range(len(frame))) if horizontal else frame[STEP_KEY].tolist()
     bar = ax.barh if horizontal else ax.bar
-    base = [0.0] * len(frame)
-    for phase in PHASES:
-        column = f"timing_s/{phase}"
-        if column not in frame:
-            continue
-        part = frame[column].fillna(0.0).tolist()
-        if any(part):
+    parts = frame.reindex(columns=[f"timing_s/{phase}" for phase in PHASES]).fillna(0.0).to_numpy(float)
+    base = np.zeros(len(frame))
+    for phase, part in zip(PHASES, parts.T, strict=True):
+        if part.any():
             bar(positions, part, 0.6, base, color=PHASE_COLORS[phase], label=phase)
-            base = [b + p for b, p in zip(base, part, strict=True)]
-    total = frame["timing_s/step"].tolist()
-    unsplit = [t if b == 0 else 0.0 for t, b in zip(total, base, strict=True)]
-    if any(unsplit):
+            base = base + part
+    total = frame["timing_s/step"].to_numpy(float)
+    unsplit = np.where(base == 0, total, 0.0)
+    if unsplit.any():
         bar(positions, unsplit, 0.6, color="#DDDDDD", hatch="//", label="step (no phase timings)")
     for position, value in zip(positions, total, strict=True):
-        xy = (value, position) if horizontal else (position, value)
-        ax.annotate(
-            f"{value:.3g} s",
-            xy,
-            xytext=(3, 0) if horizontal else (0, 3),
-            textcoords="offset points",
-            va="center" if horizontal else "bottom",
-            ha="left" if horizontal else "center",
-            fontsize=8,
-        )
-    ax.margins(x=0.12) if horizontal else ax.margins(y=0.12)
+        if horizontal:
+            _annotate(ax, f"{value:.3g} s", (value, position), (3, 0), va="center", ha="left", fontsize=8)
+        else:
+            _annotate(ax, f"{value:.3g} s", (position, value), (0, 3), va="bottom", ha="center", fontsize=8)
+    if horizontal:
+        ax.margins(x=0.12)
+        ax.set_yticks(positions, labels)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds per step (steady state)")
+    else:
+        ax.margins(y=0.12)
+        ax.set_xlabel(STEP_KEY)
+        ax.set_ylabel("seconds")
     ax.legend(fontsize=8, loc="best")
 
 
@@ -437,13 +385,13 @@ def _shade_phases(ax, phases, origin: float, height: float) -> None:
     for phase in PHASES:
         spans = phases[phases["phase"] == phase]
         if len(spans):
-            ax.broken_barh(
-                list(zip(spans["start"] - origin, spans["end"] - spans["start"], strict=True)),
-                (0, height),
-                facecolors=PHASE_COLORS[phase],
-                alpha=0.35,
-                linewidth=0,
-            )
+            xranges = list(zip(spans["start"] - origin, spans["end"] - spans["start"], strict=True))
+            ax.broken_barh(xranges, (0, height), facecolors=PHASE_COLORS[phase], alpha=0.35, linewidth=0)
+
+
+def _annotate(ax, text: str, xy, offset: tuple[int, int], **kwargs) -> None:
+    """`text` at `offset` points from `xy`."""
+    ax.annotate(text, xy, xytext=offset, textcoords="offset points", **kwargs)
 
 
 def _note(ax, text: str) -> None:
@@ -461,8 +409,14 @@ def _text_color(image, value: float) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
 
 
-def _fmt(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+def _cell_label(cell, metric: str) -> str:
+    """A heatmap cell's text: the mean of its finished jobs, or why it has none (skipped, failed, no data)."""
+    numbers = cell.loc[cell["status"] == "finished", metric].dropna()
+    if len(numbers):
+        mean = numbers.mean()
+        text = f"{mean:,.0f}" if abs(mean) >= 100 else f"{mean:.3g}"
+        return text + (f"\n(mean of {len(numbers)})" if len(numbers) > 1 else "")
+    return "\n".join("no data" if s == "finished" else s for s in sorted(set(cell["status"].dropna()))) or "?"
 
 
 _SHORT = {
@@ -495,8 +449,3 @@ def _gpus(row) -> str:
 def _gpu_order(labels) -> list[str]:
     """GPU labels with the ranks' ("0", "1", …) first in numeric order, then the server's ("server0", …)."""
     return sorted(labels, key=lambda g: (not str(g).isdigit(), int(g) if str(g).isdigit() else 0, str(g)))
-
-
-def _placement_order(placement) -> int:
-    order = ("colocate", "colocate_sleep", "server", "none")
-    return order.index(placement) if placement in order else len(order)

@@ -1,48 +1,31 @@
-"""Load runs and sweeps into pandas, for tables, notebooks, figures and tests.
+"""Runs and sweeps as rows of numbers, for tables, notebooks, figures and tests.
 
-A run directory is the source of truth (see run_files). Its steady-state numbers come from `summary.json` when the
-run wrote one (phase timings, throughput, GPU utilisation per phase, peak memory) and otherwise from what
-`metrics.jsonl` holds: TRL's `step_time` after the first step, the growth of `num_tokens`, the last `reward`.
-Per step: `load_run` (metrics.jsonl), `load_gpu_samples` (gpu_samples.jsonl) and `load_phases` (phases.jsonl: what
-each rank did when).
-
-A sweep directory holds one job directory per job, each with `job.json` (written by the sweep launcher: overrides,
-status, exit code, the last lines of its log) and, once it ran, the run files. `load_sweep` makes one row per job,
-with its placement (vLLM TP, gpu_memory_utilization, GPUs used) beside its numbers.
-
-With network and a W&B account, `load_wandb_run` and `load_wandb_sweep` read the same frames from the W&B API.
-
-    python -m colocated_grpo.analysis SWEEP_DIR                # print the summary table, rewrite SWEEP_DIR/summary.csv
-    python -m colocated_grpo.analysis RUN_DIR                  # print one run's numbers (nothing is written)
-    python -m colocated_grpo.analysis render DIR [--out OUT]   # a sweep's or a run's figures as PNGs (DIR/figures)
+A run directory is the source of truth (see run_files): its steady-state numbers come from `summary.json` when the
+run wrote one, else from `metrics.jsonl` (TRL's `step_time` after the first step, the growth of `num_tokens`, the last
+`reward`). A sweep directory holds one job directory per job, each with the launcher's `job.json` (overrides, status,
+exit code, the end of its log) and, once it ran, the run files; `load_sweep` makes one row per job, its placement
+(vLLM TP, gpu_memory_utilization, GPUs used) beside its numbers.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from colocated_grpo import run_files
 from colocated_grpo.run_files import STEP_KEY, flatten, read_json, read_jsonl
+from colocated_grpo.telemetry.phases import PHASES
 
 # Steady-state means that a run's summary.json holds (telemetry), in the metric names of the W&B run.
 SUMMARY_KEYS = (
-    "timing_s/step",
-    "timing_s/generate",
-    "timing_s/sync_weights",
-    "timing_s/sleep_wake",
-    "timing_s/reward",
-    "timing_s/train",
-    "timing_s/other",
+    *(f"timing_s/{phase}" for phase in ("step", *PHASES)),
     "perf/tokens_per_s",
     "perf/tokens_per_s_per_gpu",
     "perf/tokens_per_s_per_train_gpu",
     "perf/gen_tokens_per_s",
-    "gpu/util_generate",
-    "gpu/util_sync_weights",
-    "gpu/util_reward",
-    "gpu/util_train",
+    *(f"gpu/util_{phase}" for phase in ("generate", "sync_weights", "reward", "train")),
     "memory/peak_gb",
     "vllm/kv_cache_tokens",
 )
@@ -82,11 +65,7 @@ TABLE = {
 
 
 def run_summary(run_dir: str | Path) -> dict:
-    """Steady-state numbers of one run: summary.json's where it has them, else derived from metrics.jsonl.
-
-    Keys: SUMMARY_KEYS (None where neither file says), `reward` (the last logged), `steps` (the last global
-    step) and `source` (the file the timings came from, None when the run logged nothing).
-    """
+    """Steady-state numbers of one run (summary_row) and `source`: the file they came from, None if neither."""
     run_dir = Path(run_dir)
     summary = read_json(run_dir / run_files.SUMMARY) or {}
     metrics = read_jsonl(run_dir / run_files.METRICS)
@@ -97,14 +76,11 @@ def run_summary(run_dir: str | Path) -> dict:
 
 
 def summary_row(summary: dict, metrics: list[dict], world_size: int = 1) -> dict:
-    """SUMMARY_KEYS, `reward` and `steps` from a steady-state summary (summary.json, a W&B run's summary) and the
-    per-step metrics (may be empty), the summary winning where both have a number."""
+    """SUMMARY_KEYS (None where unknown), `reward` (the last) and `steps` (the last global step) from a steady-state
+    summary (summary.json, a W&B run's) and the per-step metrics (may be empty); the summary wins where both say."""
     summary = flatten(summary, "/")  # {"timing_s": {"step": 1.0}} and {"timing_s/step": 1.0} alike
-    derived = _from_metrics(metrics, world_size)
-    row = {key: _number(summary.get(key)) for key in SUMMARY_KEYS}
-    for key, value in derived.items():
-        if row.get(key) is None:
-            row[key] = value
+    numbers = {key: value for key in SUMMARY_KEYS if (value := _number(summary.get(key))) is not None}
+    row = {**dict.fromkeys(SUMMARY_KEYS), **_from_metrics(metrics, world_size), **numbers}
     rewards = [m["reward"] for m in metrics if m.get("reward") is not None]
     steps = [m[STEP_KEY] for m in metrics if STEP_KEY in m]
     row["reward"] = rewards[-1] if rewards else _number(summary.get("final/reward"))
@@ -145,11 +121,8 @@ def run_placement(run_dir: str | Path) -> dict:
 
 
 def _from_metrics(metrics: list[dict], world_size: int) -> dict:
-    """Step time and token throughput from TRL's per-step `step_time` and cumulative `num_tokens`.
-
-    The first logged step (engine warm-up, compilation) is left out when there is more than one. A line logged every
-    k steps carries the mean step time of those k steps and the tokens of all of them.
-    """
+    """Step time and token throughput from TRL's per-step `step_time` and cumulative `num_tokens`, without the first
+    logged step (warm-up) when there are more. A line logged every k steps holds their mean step time."""
     rows, last_step, last_tokens = [], 0, 0.0
     for m in metrics:
         step, seconds, tokens = m.get(STEP_KEY), m.get("step_time"), m.get("num_tokens")
@@ -172,15 +145,11 @@ def _from_metrics(metrics: list[dict], world_size: int) -> dict:
 
 
 def load_jobs(sweep_dir: str | Path) -> list[dict]:
-    """One row per job of a sweep (COLUMNS), ordered by job number.
-
-    Jobs are the directories with a job.json; a directory with only run files (a sweep run by another launcher)
-    counts too, its status taken from run.json.
-    """
+    """One row per job of a sweep (COLUMNS), ordered by job number: each directory with a job.json, else each with a
+    run.json (a sweep run by another launcher)."""
     sweep_dir = Path(sweep_dir)
-    job_dirs = sorted({p.parent for p in sweep_dir.rglob(run_files.JOB)}) or sorted(
-        {p.parent for p in sweep_dir.rglob(run_files.RUN)}
-    )
+    job_dirs = sorted({p.parent for p in sweep_dir.rglob(run_files.JOB)})
+    job_dirs = job_dirs or sorted({p.parent for p in sweep_dir.rglob(run_files.RUN)})
     rows = [row for job_dir in job_dirs if (row := job_row(job_dir, sweep_dir)) is not None]
     rows.sort(key=lambda r: (r["job"] is None, r["job"] if r["job"] is not None else 0, r["dir"]))
     return rows
@@ -243,9 +212,7 @@ def write_summary(sweep_dir: str | Path, rows: list[dict] | None = None) -> Path
 def print_summary(sweep_dir: str | Path, file=None, rows: list[dict] | None = None) -> None:
     """Print the summary as a table (rich)."""
     rows = load_jobs(sweep_dir) if rows is None else rows
-    counts = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    counts = Counter(r["status"] for r in rows)
     _print_table(f"sweep {Path(sweep_dir).name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()), rows, file)
 
 
@@ -261,10 +228,9 @@ def _print_table(title: str, rows: list[dict], file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title, show_lines=False)
+    table = Table(title=title)
     for key, header in TABLE.items():
-        text = key in ("overrides", "status", "note")
-        table.add_column(header, overflow="fold", justify="left" if text else "right")
+        table.add_column(header, overflow="fold", justify="left" if key in ("overrides", "status", "note") else "right")
     for r in rows:
         table.add_row(*(_cell(r[key], 160 if key == "note" else None) for key in TABLE))
     file = file or sys.stdout

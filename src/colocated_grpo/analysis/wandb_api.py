@@ -35,21 +35,20 @@ def load_wandb_sweep(project: str, group: str | None = None, api=None):
     api = api or _wandb_api()
     rows = []
     for run in api.runs(project, filters={"group": group} if group else None):
-        config = dict(run.config)
-        cfg = config.get("cfg") or {}
-        summary = {k: v for k, v in run.summary_metrics.items() if not k.startswith("_")}
-        row = {
-            "job": None,
-            "overrides": run.name,
-            "status": run.state,
-            "exit_code": None,
-            **placement_settings(lambda key, cfg=cfg: _select(cfg, key), config.get("world_size")),
-            **summary_row(summary, []),
-            "source": "wandb",
-            "note": None,
-            "dir": "/".join(run.path),
-        }
-        rows.append({key: row.get(key) for key in COLUMNS})
+        cfg = run.config.get("cfg") or {}
+        rows.append(
+            {
+                "job": None,
+                "overrides": run.name,
+                "status": run.state,
+                "exit_code": None,
+                **placement_settings(lambda key, cfg=cfg: _select(cfg, key), run.config.get("world_size")),
+                **summary_row(dict(run.summary_metrics), []),
+                "source": "wandb",
+                "note": None,
+                "dir": "/".join(run.path),
+            }
+        )
     return _numeric(pd.DataFrame(rows, columns=list(COLUMNS)))
 
 
