@@ -16,18 +16,13 @@ figure. The definition is a YAML file in sweeps/studies/ (see h200_x2.yaml for t
 
 from __future__ import annotations
 
-import argparse
-
+from colocated_grpo.bench import command_parser
 from colocated_grpo.bench.study import report, running
 from colocated_grpo.provenance import FIGURES, require_extra
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m colocated_grpo.bench.study",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("colocated_grpo.bench.study", __doc__, prog)
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser("run", help="run every case and bench of a study, then write the report")
     run_parser.add_argument("definition", help="a study YAML, e.g. sweeps/studies/h200_x2.yaml")
@@ -38,10 +33,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.command == "run":
         require_extra("notebooks", FIGURES, "study run (its report draws study.png)")
         running.run(args.definition, args.out)
-        report.report(args.out)
     else:
         require_extra("notebooks", FIGURES, "study report (it draws study.png)")
-        report.report(args.out)
+    report.report(args.out)
 
 
 if __name__ == "__main__":

@@ -44,51 +44,36 @@ def load(path: str | Path) -> dict:
 
 def baselines(study: dict) -> dict[str, str]:
     """case → the case its speed-up is measured against (one baseline for all, or the study's pairs)."""
-    if isinstance(study["baseline"], dict):
-        return dict(study["baseline"])
-    return dict.fromkeys(study["cases"], study["baseline"])
+    baseline = study["baseline"]
+    return dict(baseline) if isinstance(baseline, dict) else dict.fromkeys(study["cases"], baseline)
 
 
 def case_command(study: dict, model: str, case: str, case_dir: Path, repo: Path = REPO) -> list[str]:
     """The one-job multirun that runs `case` for `model`: `python train.py -m …` (the checkout `repo`'s) through
     the torchrun launcher."""
-    return [
-        sys.executable,
-        str(repo / "train.py"),
-        "-m",
-        f"model={model}",
-        *study["common"],
-        *study["cases"][case],
-        f"hydra.sweep.dir={case_dir}",
-    ]
+    overrides = [f"model={model}", *study["common"], *study["cases"][case], f"hydra.sweep.dir={case_dir}"]
+    return [sys.executable, str(repo / "train.py"), "-m", *overrides]
 
 
 def bench_command(model: str, args: list[str], out: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "colocated_grpo.bench.vllm_generate",
-        "--model",
-        model,
-        *map(str, args),
-        "--json",
-        str(out),
-    ]
+    """The standalone generation benchmark `args` for `model`, its results written to `out`."""
+    module = "colocated_grpo.bench.vllm_generate"
+    return [sys.executable, "-m", module, "--model", model, *map(str, args), "--json", str(out)]
 
 
-def _job(case_dir: Path) -> dict | None:
+def case_job(case_dir: Path) -> dict | None:
     """The row (analysis.tables.COLUMNS) of a case's one job; None when it never ran."""
     return next(iter(tables.load_jobs(case_dir)), None)
 
 
 def case_status(case_dir: Path) -> str | None:
     """The status of a case's job (finished, failed, skipped, …); None when it never ran."""
-    job = _job(case_dir)
+    job = case_job(case_dir)
     return job["status"] if job else None
 
 
 def describe(case_dir: Path) -> str:
-    job = _job(case_dir)
+    job = case_job(case_dir)
     if job is None:
         return "no job ran (see sweep.log)"
     if job["status"] != "finished" or job.get("timing_s/step") is None:

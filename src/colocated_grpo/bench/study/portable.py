@@ -21,10 +21,7 @@ BINARY_SUFFIXES = {".png", ".pdf", ".pt", ".bin", ".safetensors", ".wandb"}
 def machine_roots(out: str | Path) -> list[tuple[str, str]]:
     """(absolute path, what it becomes) for this machine and a study directory OUT."""
     out = Path(out).resolve()
-    try:
-        study = str(out.relative_to(REPO))
-    except ValueError:
-        study = "OUT"
+    study = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else "OUT"
     roots = [(str(out), study), (str(REPO), ".")]
     roots += [(path, "<site-packages>") for path in {*site.getsitepackages(), site.getusersitepackages()}]
     roots += [(sys.prefix, "<python>"), (str(Path.home()), "<home>")]

