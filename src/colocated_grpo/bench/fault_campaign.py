@@ -20,7 +20,7 @@ check fails.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
 import random
@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colocated_grpo import run_files
+from colocated_grpo.bench import command_parser
 from colocated_grpo.launch import processes
 from colocated_grpo.provenance import checkout
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
@@ -56,7 +57,6 @@ class Attempt:
     leftover: list[str] = field(default_factory=list)  # processes of it still alive after it ended
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The checks (also run by the tests on synthetic run files)
 
 
@@ -73,7 +73,7 @@ def check_steps(run_dir: Path, steps: int) -> tuple[bool, str]:
 def check_attempts(run_dir: Path, attempts: list[Attempt]) -> tuple[bool, str]:
     """Every attempt that recorded itself is in run.json, in order, with the status its stop implies; the others
     were stopped in start-up. Fills each attempt's `status`."""
-    listed = (read_json(Path(run_dir) / run_files.RUN) or {}).get("attempts", [])
+    listed = _run_record(run_dir).get("attempts", [])
     recorded = [a for a in attempts if a.recorded]
     problems = []
     if len(listed) != len(recorded):
@@ -96,7 +96,7 @@ def check_wandb(run_dir: Path, steps: int) -> tuple[bool, str]:
     from colocated_grpo.compat import wandb as wandb_log
     from colocated_grpo.resilience import wandb_rewind
 
-    run_id = (read_json(Path(run_dir) / run_files.RUN) or {}).get("wandb_id")
+    run_id = _run_record(run_dir).get("wandb_id")
     if not run_id:
         return False, "run.json names no W&B run"
     segments = wandb_rewind.segments(Path(run_dir) / "wandb", run_id)
@@ -128,7 +128,6 @@ def leftover_processes(pgids: list[int], marker: str) -> list[str]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The campaign
 
 
@@ -143,15 +142,19 @@ def plan_faults(faults: int, seed: int) -> list[tuple[str, str]]:
 
 
 def _steps(run_dir: Path) -> int:
-    return len(read_jsonl(run_dir / run_files.METRICS)) if (run_dir / run_files.METRICS).exists() else 0
+    return len(read_jsonl(run_dir / run_files.METRICS))
 
 
 def _saving(run_dir: Path) -> bool:
     return any(p.is_dir() and not (p / "trainer_state.json").exists() for p in run_dir.glob("checkpoint-*"))
 
 
+def _run_record(run_dir: Path) -> dict:
+    return read_json(Path(run_dir) / run_files.RUN) or {}
+
+
 def _attempts_listed(run_dir: Path) -> int:
-    return len((read_json(run_dir / run_files.RUN) or {}).get("attempts", []))
+    return len(_run_record(run_dir).get("attempts", []))
 
 
 def _wait_for_moment(proc, run_dir: Path, moment: str, rng: random.Random, start_steps: int) -> str:
@@ -190,11 +193,8 @@ def run_attempt(attempt: Attempt, cmd, env, run_dir: Path, log: Path, rng: rando
     time.sleep(2)  # what the run's own shutdown still ends (vLLM workers, W&B's service) has ended by now
     attempt.leftover = leftover_processes([proc.pid], str(run_dir))
     for line in attempt.leftover:  # found and reported; ended so that the next attempt starts clean
-        with_pid = int(line.split()[0])
-        try:
-            os.kill(with_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
     attempt.seconds = round(time.monotonic() - started, 1)
     attempt.steps_after = _steps(run_dir)
     attempt.recorded = _attempts_listed(run_dir) > listed_before
@@ -202,22 +202,13 @@ def run_attempt(attempt: Attempt, cmd, env, run_dir: Path, log: Path, rng: rando
 
 def campaign(out: Path, steps: int, save_steps: int, faults: int, seed: int, overrides: list[str]) -> dict:
     run_dir = (out / "run").resolve()
-    cmd = processes.train_command(
-        1,
-        [
-            f"hydra.run.dir={run_dir}",
-            f"trainer.max_steps={steps}",
-            "trainer.save_strategy=steps",
-            f"trainer.save_steps={save_steps}",
-            *overrides,
-        ],
-        checkout() / "train.py",
-    )
+    saving = ["trainer.save_strategy=steps", f"trainer.save_steps={save_steps}"]
+    overrides = [f"hydra.run.dir={run_dir}", f"trainer.max_steps={steps}", *saving, *overrides]
+    cmd = processes.train_command(1, overrides, checkout() / "train.py")
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     rng = random.Random(seed)
-    plan = plan_faults(faults, seed)
-    attempts = [Attempt(i + 1, sig, moment) for i, (sig, moment) in enumerate(plan)]
-    attempts.append(Attempt(len(plan) + 1, None, None))
+    plan = [*plan_faults(faults, seed), (None, None)]  # the last attempt runs to the end
+    attempts = [Attempt(i, sig, moment) for i, (sig, moment) in enumerate(plan, 1)]
     pgids: list[int] = []
     for attempt in attempts:
         log = out / f"attempt-{attempt.number}.log"
@@ -245,9 +236,8 @@ def campaign(out: Path, steps: int, save_steps: int, faults: int, seed: int, ove
 
 
 def _check_leftovers(attempts: list[Attempt], pgids: list[int], run_dir: Path) -> tuple[bool, str]:
-    during = [f"attempt {a.number}: {line}" for a in attempts for line in a.leftover]
-    now = leftover_processes(pgids, str(run_dir))
-    problems = during + [f"at the end: {line}" for line in now]
+    problems = [f"attempt {a.number}: {line}" for a in attempts for line in a.leftover]
+    problems += [f"at the end: {line}" for line in leftover_processes(pgids, str(run_dir))]
     return not problems, "; ".join(problems) or "none after any attempt"
 
 
@@ -255,9 +245,8 @@ def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fault campaign: {report['steps']} steps, seed {report['seed']}")
-    for column in ("#", "signal", "hit", "exit", "steps", "s", "run.json status", "left over"):
-        table.add_column(column)
+    columns = ("#", "signal", "hit", "exit", "steps", "s", "run.json status", "left over")
+    table = Table(*columns, title=f"fault campaign: {report['steps']} steps, seed {report['seed']}")
     for a in report["attempts"]:
         table.add_row(
             str(a["number"]),
@@ -269,22 +258,14 @@ def print_report(report: dict) -> None:
             a["status"] or ("not recorded" if not a["recorded"] else "?"),
             str(len(a["leftover"])),
         )
-    checks = Table(title="checks")
-    for column in ("check", "ok", "detail"):
-        checks.add_column(column)
+    checks = Table("check", "ok", "detail", title="checks")
     for name, c in report["checks"].items():
         checks.add_row(name, "yes" if c["ok"] else "NO", c["detail"])
-    console = Console(width=160)
-    console.print(table)
-    console.print(checks)
+    Console(width=160).print(table, checks)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m colocated_grpo.bench.fault_campaign",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("colocated_grpo.bench.fault_campaign", __doc__, prog)
     parser.add_argument("--out", type=Path, required=True, help="directory for the run, the logs and the report")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-steps", type=int, default=4)

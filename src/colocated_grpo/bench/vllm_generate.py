@@ -27,8 +27,13 @@ import os
 import time
 from pathlib import Path
 
+import psutil
+
+from colocated_grpo.bench import command_parser
 from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.compat import vllm as vllm_internals
+from colocated_grpo.provenance import checkout
+from colocated_grpo.run_files import write_json
 
 OUTPUTS = ("none", "trl", "fast")
 
@@ -39,9 +44,7 @@ def sampling_kwargs(outputs: str) -> dict:
         return {"logprobs": None}
     if outputs == "trl":
         return {"logprobs": 0}
-    from colocated_grpo.compat.vllm import fast_output_kwargs
-
-    return {"logprobs": 0, **fast_output_kwargs()}
+    return {"logprobs": 0, **vllm_internals.fast_output_kwargs()}
 
 
 def _int_list(text: str) -> list[int]:
@@ -56,11 +59,7 @@ def _outputs_list(text: str) -> list[str]:
 
 
 def main(argv=None, prog: str | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m colocated_grpo.bench.vllm_generate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("colocated_grpo.bench.vllm_generate", __doc__, prog)
     parser.add_argument("--model", default="qwen2.5-0.5b-random", help="a conf/model option or a model directory")
     parser.add_argument("--prompts", type=_int_list, default=[64], help="completions per batch, e.g. 32,128,512")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -120,31 +119,19 @@ def main(argv=None, prog: str | None = None) -> None:
             )
     _print_shares(results)
     if args.json:
-        from colocated_grpo.run_files import write_json
-
         settings = {k: getattr(args, k) for k in ("model", "prompt_tokens", "completion", "mem", "tp", "engine")}
         settings["prompts"] = args.prompts[0] if len(args.prompts) == 1 else args.prompts
-        import psutil
-
+        first = results[0]["tokens_per_s"]  # the first case's repeats: what the study report reads
+        report = {"settings": settings, "tokens_per_s": first, "results": results}
         # vLLM's default engine runs in processes of its own; TRL's colocated one in this process (none)
-        engine_processes = len(psutil.Process().children(recursive=True))
-        write_json(
-            Path(args.json),
-            {
-                "settings": settings,
-                "tokens_per_s": results[0]["tokens_per_s"],  # the first case (the study report reads it)
-                "results": results,
-                "engine_processes": engine_processes,
-            },
-        )
+        report["engine_processes"] = len(psutil.Process().children(recursive=True))
+        write_json(Path(args.json), report)
 
 
 def _time(llm, prompts, params, repeats: int) -> dict:
     """tokens/s of each repeat, and the seconds parsing the outputs' log-probs takes (0 without log-probs): TRL's
     extract_logprobs, or read_flat_logprobs for flat ones (what a run with placement.fast_outputs uses)."""
-    from colocated_grpo.compat.trl import extract_logprobs, read_flat_logprobs
-
-    parser = read_flat_logprobs if params.flat_logprobs else extract_logprobs  # as a run parses them
+    parser = trl_internals.read_flat_logprobs if params.flat_logprobs else trl_internals.extract_logprobs
     rates, parse = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -192,8 +179,6 @@ def engine_kwargs(engine: str) -> dict:
 def resolve_model(name: str) -> str:
     """A conf/model option name (built if needed) or a path/hub id as is."""
     from hydra import compose, initialize_config_dir
-
-    from colocated_grpo.provenance import checkout
 
     if "/" in name or Path(name).exists():  # a path or a hub id: no option of conf/model/ has a slash
         return name

@@ -61,7 +61,7 @@ def _predict(args) -> None:
     cal = calibration.load(args.calibration)
     workload = Workload(args.completions, args.prompt_tokens, args.completion_tokens, args.model_params)
     found = [predict(cal, workload, p) for p in placements(args.gpus, args.request)]
-    found.sort(key=lambda p: (not p.fits, p.step_s))
+    found.sort(key=lambda p: (not p.fits, p.step_s))  # fastest first, those that do not fit last
     best = found[0].step_s
     title = (
         f"{args.gpus} GPUs, {args.model_params} B, {args.completions} completions × {args.completion_tokens:.0f} "

@@ -39,13 +39,13 @@ H200 = {
 }
 
 
-def build(directories: list[str | Path], gpu: dict | None = None) -> dict:
+def build(directories: list[str | Path]) -> dict:
     """A calibration from the one-GPU jobs and benchmarks under `directories` (study or sweep directories)."""
     jobs = [job for d in directories for job in measured.load(d)]
     used = [j for j in jobs if j.gpus == 1 and j.placement in ("colocate", "colocate_sleep")]
     calibration = {
         "format": FORMAT,
-        "gpu": dict(gpu or H200),
+        "gpu": dict(H200),
         "sources": sorted({source(j) for j in used}),
         "left_out": sorted(f"{j.model} {j.case} ({j.gpus} GPUs)" for j in jobs if j not in used),
         "notes": [],

@@ -84,7 +84,7 @@ def _job(run_dir: Path, row: dict, case: str) -> Job:
         completions=completions,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        fast_outputs=bool(placement.get("fast_outputs", False)),  # runs from before these keys used TRL's own
+        fast_outputs=bool(placement.get("fast_outputs", False)),  # a run without these keys used TRL's own
         fast_sync=bool(placement.get("fast_sync", False)),
         step_s=row["timing_s/step"],
         phases={p: row.get(f"timing_s/{p}") or 0.0 for p in PHASES},
