@@ -1,6 +1,5 @@
-"""The bookkeeping that lets a run survive its attempts: the run directory brought back to the checkpoint a new
-attempt starts from, run.json across attempts (status, errors, W&B id), and the message that says how to resume.
-"""
+"""A run over its attempts: the run directory brought back to the checkpoint an attempt starts from, run.json
+(status, errors, W&B id) and the message that says how to resume."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
         removed = checkpoints.remove_incomplete(run_dir)
         rewound = {}
         if resume.wandb_id:
-            marker = wandb_rewind.read_marker(resume.checkpoint.path if resume.checkpoint else None)
+            marker = run_files.read_json(resume.checkpoint.path / wandb_rewind.MARKER) if resume.checkpoint else None
             try:
                 rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, marker)
             except UnknownFormat as err:
@@ -130,9 +129,8 @@ def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> T
         last = checkpoints.latest(run_dir)
         saved = f"before its first step; nothing new to save (latest checkpoint: {last.path if last else 'none'})"
     else:
-        saved = f"after step {stopper.stopped_at} of {state.max_steps}: checkpoint saved to " + str(
-            run_dir / f"checkpoint-{stopper.stopped_at}"
-        )
+        checkpoint = run_dir / f"checkpoint-{stopper.stopped_at}"
+        saved = f"after step {stopper.stopped_at} of {state.max_steps}: checkpoint saved to {checkpoint}"
     return TrainingInterrupted(
         stopper.signum,
         f"training stopped by {name} {saved}; run files flushed and W&B run finished. Resume with: {command}",

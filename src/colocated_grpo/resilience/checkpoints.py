@@ -2,8 +2,7 @@
 
 A run directory is also the trainer's output directory, so checkpoints land in `<run_dir>/checkpoint-<step>`.
 Running again with the same `hydra.run.dir` continues the run (`run.resume=auto`): from the newest complete
-checkpoint, with the same config (apart from keys that may change between attempts), with the run files cut back
-to that checkpoint so that every step appears exactly once, and with the same W&B run.
+checkpoint, with the same config (bar MAY_CHANGE), the run files cut back to it (every step once) and the same W&B run.
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ RESUME_MODES = ("auto", "never")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"  # rank 0's, written last by transformers' _save_checkpoint
 COMPLETE = "complete.json"  # written by MarkComplete once every rank has saved
-CHECKPOINT_GLOB = run_files.CHECKPOINT_PREFIX + "*"
-MARKED = "checkpoints_marked"  # run.json: this run's checkpoints are complete only once marked (a run from before
-# the mark keeps trainer_state.json as its rule for good, so that none of its checkpoints is taken for a cut save)
+MARKED = "checkpoints_marked"  # in run.json; an unmarked run's checkpoints are complete by their trainer_state.json
 
 # Keys that may change between the attempts of one run: how long it runs, how it checkpoints and logs, and
 # machine-local settings. Any other change would silently turn the resumed run into a different experiment.
@@ -72,8 +69,7 @@ class Checkpoint:
 
 
 class Unreadable(NamedTuple):
-    """A checkpoint whose state could not be read (permissions, an I/O error, a network filesystem's hiccup): it is
-    neither resumed from nor deleted."""
+    """A checkpoint whose state cannot be read (permissions, I/O error): neither resumed from nor deleted."""
 
     path: Path
     step: int  # from its name
@@ -81,26 +77,25 @@ class Unreadable(NamedTuple):
 
 
 def _checkpoint_dirs(run_dir: Path):
-    """(directory, its state) of every checkpoint-N in the run directory: its completed step, None for a save cut
-    short, or Unreadable."""
-    legacy = not (read_json(Path(run_dir) / run_files.RUN) or {}).get(MARKED)  # a run from before the mark
-    for path in Path(run_dir).glob(CHECKPOINT_GLOB):
-        if _CHECKPOINT.match(path.name) and path.is_dir():
-            yield path, _state(path, legacy)
+    """(directory, state) of every checkpoint-N: its completed step, None for a save cut short, or Unreadable."""
+    legacy = not (read_json(Path(run_dir) / run_files.RUN) or {}).get(MARKED)
+    for path in Path(run_dir).glob(run_files.CHECKPOINT_PREFIX + "*"):
+        if (m := _CHECKPOINT.match(path.name)) and path.is_dir():
+            yield path, _state(path, int(m[1]), legacy)
 
 
-def _state(path: Path, legacy: bool) -> int | Unreadable | None:
-    """The step a complete checkpoint holds; None when its save was cut short. Complete means the completion mark
-    is there (MarkComplete: every rank had saved); in a run from before the mark, rank 0's trainer_state.json."""
+def _state(path: Path, step: int, legacy: bool) -> int | Unreadable | None:
+    """The step a complete checkpoint holds (marked COMPLETE by every rank, or legacy: has rank 0's TRAINER_STATE);
+    None when its save was cut short."""
     name = TRAINER_STATE if legacy else COMPLETE
     try:
         return int(json.loads((path / name).read_text())["global_step"])
     except FileNotFoundError:
         return None
     except OSError as err:
-        return Unreadable(path, int(_CHECKPOINT.match(path.name)[1]), err)
+        return Unreadable(path, step, err)
     except (ValueError, KeyError, TypeError):
-        return None if legacy else Unreadable(path, int(_CHECKPOINT.match(path.name)[1]), OSError("malformed " + name))
+        return None if legacy else Unreadable(path, step, OSError("malformed " + name))
 
 
 def checkpoints(run_dir: Path) -> list[Checkpoint]:
@@ -119,9 +114,8 @@ def latest(run_dir: Path) -> Checkpoint | None:
 
 
 def mark_complete_callback():
-    """A trainer callback: once every rank has saved a checkpoint (on_save runs on each after its part is written),
-    rank 0 marks it complete. Unmarked, a resume ignores it: a save cut short on any rank is never resumed from.
-    (Built here so that importing this module stays free of transformers: the run-dir guard imports it at start.)"""
+    """A trainer callback: once every rank has saved a checkpoint, rank 0 marks it complete; a resume ignores an
+    unmarked one. (Built here so that this module imports without transformers: the run-dir guard imports it.)"""
     import torch.distributed as dist
     from transformers import TrainerCallback
 
@@ -136,25 +130,18 @@ def mark_complete_callback():
     return MarkComplete()
 
 
-class _TiedKeysMissing(logging.Filter):
-    def __init__(self, tied: set[str]):
-        super().__init__()
-        self.tied = tied
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        m = re.match(r"There were missing keys in the checkpoint model loaded: \[(.*)\]\.$", record.getMessage())
-        if not m:
-            return True
-        missing = {k.strip().strip("'\"") for k in m[1].split(",") if k.strip()}
-        return not (missing and missing <= self.tied)
-
-
 def quiet_tied_weights_on_resume(model) -> None:
     """Drop transformers' missing-keys warning on resume when every missing key is a tied weight of `model` (e.g.
     `lm_head.weight` with tied embeddings: the checkpoint stores it once and loading ties it again)."""
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+
+    def shown(record: logging.LogRecord) -> bool:
+        m = re.match(r"There were missing keys in the checkpoint model loaded: \[(.*)\]\.$", record.getMessage())
+        missing = {k.strip().strip("'\"") for k in m[1].split(",") if k.strip()} if m else set()
+        return not (missing and missing <= tied)
+
     if tied:
-        logging.getLogger("transformers.trainer").addFilter(_TiedKeysMissing(tied))
+        logging.getLogger("transformers.trainer").addFilter(shown)
 
 
 @dataclass
@@ -177,28 +164,9 @@ class Resume:
         return self.previous.get("wandb_id")
 
 
-def lock(run_dir: Path):
-    """Hold the run directory for this process (rank 0) so that two launches never write the same run."""
-    from filelock import FileLock, Timeout
-
-    path = Path(run_dir) / ".run.lock"
-    held = FileLock(str(path))
-    try:
-        held.acquire(timeout=0)
-    except Timeout:
-        raise ResumeError(
-            f"{run_dir} is in use by another training process (it holds {path}); "
-            "wait for it to end, or choose another hydra.run.dir"
-        ) from None
-    return held
-
-
 def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
-    """Decide how this attempt starts, raising ResumeError where the run directory cannot be used as asked.
-
-    Rank 0 decides and checks; the other ranks only pick the same checkpoint (rank 0 may already be writing this
-    attempt's run.json, so they do not read it). When rank 0 refuses, torchrun stops the others.
-    """
+    """How this attempt starts; ResumeError where the run directory cannot be used as asked. Rank 0 decides and
+    checks; the other ranks only pick the same checkpoint (rank 0 may be writing run.json already)."""
     run_dir = Path(run_dir)
     if not main:
         return Resume(latest(run_dir) if cfg.run.resume == "auto" else None)
@@ -243,7 +211,7 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     return Resume(checkpoint, previous)
 
 
-def check_config(cfg: DictConfig, run_dir: Path, previous: dict | None = None) -> None:
+def check_config(cfg: DictConfig, run_dir: Path, previous: dict) -> None:
     """Raise ResumeError when the config differs from the one the run was started with (beyond MAY_CHANGE)."""
     stored_path = Path(run_dir) / run_files.CONFIG
     if not stored_path.exists():
@@ -257,7 +225,7 @@ def check_config(cfg: DictConfig, run_dir: Path, previous: dict | None = None) -
             continue
         changed.append(f"{key}: {old!r} -> {new!r}")
     if changed:
-        overrides = (previous or {}).get("overrides")
+        overrides = previous.get("overrides")
         hint = (
             f"re-run with the overrides it was started with: {' '.join(overrides) or '(none)'}"
             if overrides is not None

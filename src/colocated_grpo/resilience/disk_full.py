@@ -1,14 +1,13 @@
 """A run that fails because its disk is full: said in one line, with the directory and the space left.
 
-A full disk shows up in many forms: an OSError with errno ENOSPC (or EDQUOT, a quota) from a write, or a
-RuntimeError from torch's checkpoint writer ("unexpected pos …"), usually chained with more of the same while the
-run unwinds. The runner turns any of them into DiskFull, removes the checkpoint whose save was cut short (it was
-never marked complete, and its space is what lets run.json record the failure), and the run can be resumed with the
-same command once there is room.
+A full disk shows up as an OSError with errno ENOSPC (or EDQUOT) or a RuntimeError from torch's checkpoint writer,
+often chained. The runner turns any of them into DiskFull and removes the save cut short (which frees the room
+run.json needs); the same command resumes once there is space.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import shutil
@@ -31,25 +30,17 @@ def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | N
     chain = list(exception_chain(exc))
     by_errno = any(isinstance(e, OSError) and e.errno in FULL_ERRNOS for e in chain)
     a_write_failed = any(isinstance(e, OSError) or TORCH_WRITER_FAILED.search(str(e)) for e in chain)
-    usage = _usage(run_dir)
+    usage = None
+    with contextlib.suppress(OSError):
+        usage = shutil.disk_usage(run_dir)
     nearly_full = usage is not None and usage.free < NEARLY_FULL_BYTES
     if not (by_errno or (a_write_failed and nearly_full)):  # any other error on a nearly full disk is its own
         return None
     space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB" if usage else "free space unknown"
     first = chain[-1]  # the first error raised: what was being written when the space ran out
+    text = " ".join(str(first).split())
+    text = text if len(text) <= 160 else text[:157] + "..."
     return DiskFull(
         f"no space left on the disk of the run directory {run_dir} ({space}; {type(first).__name__}: "
-        f"{_one_line(first)}). Free some space, then run the same command again to resume from {resume_from}",
+        f"{text}). Free some space, then run the same command again to resume from {resume_from}",
     )
-
-
-def _usage(run_dir: Path):
-    try:
-        return shutil.disk_usage(run_dir)
-    except OSError:
-        return None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 160 else text[:157] + "..."

@@ -1,10 +1,9 @@
 """Stop cleanly on SIGTERM (SLURM preemption; torchrun forwards it to every worker) and on Ctrl-C (SIGINT).
 
-The handler only records the signal. At the end of the current optimiser step every rank learns whether any rank
-got one (a one-number all-reduce), and together they save a checkpoint and stop; the runner then flushes the run
-files, finishes W&B and exits with 128 + the signal number and a message saying how to resume. A second signal
-more than a few seconds after the first stops at once, without a checkpoint (a repeat within that window is the
-same Ctrl-C delivered twice: by the terminal and by torchrun, which forwards what it receives).
+The handler only records the signal. At the end of the step every rank learns whether any rank got one (an
+all-reduce), and together they save a checkpoint and stop; the runner exits with 128 + the signal number and says how
+to resume. A second signal stops at once, without a checkpoint, unless it comes within REPEAT_WINDOW_S (the same
+Ctrl-C delivered twice: by the terminal and by torchrun).
 """
 
 from __future__ import annotations
@@ -84,8 +83,7 @@ class StopOnSignal(TrainerCallback):
         if signum:
             self.signum = self.signum or signum
             self.stopped_at = state.global_step
-            control.should_save = True
-            control.should_training_stop = True
+            control.should_save = control.should_training_stop = True
 
 
 def _max_over_ranks(value: int, args) -> int:

@@ -1,23 +1,15 @@
 """How a process ends: on a signal, on a failure, or done. Standard library only: train.py installs the start-up
 handler before anything heavy is imported.
 
-SIGTERM through a run's life:
-- start-up (`run_main`): Python's default would kill the process at once (exit -15, nothing said, nothing recorded);
-  until the runner installs its own handler, SIGTERM unwinds like Ctrl-C does, so a run that recorded itself says
-  `interrupted` and the process exits 143 (128 + SIGTERM).
-- training: the runner's handler saves a checkpoint and stops (resilience/preemption.py).
-- the ending (`begin`): a SIGTERM, e.g. torchrun's when another rank failed, does not cut it short, but stops an
-  ending that hangs.
-- a torchrun worker gets SIGTERM when its agent dies, even by SIGKILL (`stop_with_torchrun_agent`).
+SIGTERM: in start-up (`run_main`) it unwinds like Ctrl-C, so a recorded run says `interrupted` and exits 143; in
+training the runner's handler saves a checkpoint and stops (preemption.py); in the ending (`begin`) it stops only an
+ending that hangs. A torchrun worker gets it when its agent dies, even by SIGKILL (`stop_with_torchrun_agent`).
 
-A failure (`report_failure`): the whole traceback goes to the job's log file (`<run dir>/train.log`, Hydra's file
-handler) on every rank; the console gets `Type: message` once per launch, from rank 0 or the first rank that failed
-(a rank that fails because another one did says nothing), with the traceback only where the message does not explain
-itself. Under torchrun the same line goes to the worker's error file, so torchrun's closing ChildFailedError block
-names the error instead of "To enable traceback see …".
+A failure (`report_failure`): the traceback goes to every rank's train.log; the console gets `Type: message` once per
+launch (the traceback too where the message does not explain itself), and so does torchrun's error file, so that its
+closing block names the error instead of "To enable traceback see …".
 
-Every end (`exit_now`) skips the interpreter's teardown, which would print dozens of `nanobind: leaked …` lines
-(triton's bindings) after the error.
+`exit_now` skips the interpreter's teardown, which would print dozens of `nanobind: leaked …` lines after the error.
 """
 
 from __future__ import annotations
@@ -70,10 +62,8 @@ def _stop_in_start_up(signum, frame) -> None:
 
 
 def begin() -> None:
-    """The run is ending (its record, W&B and process group being closed, or its failure reported): from here on
-    a SIGTERM is not taken for a stop in start-up and does not cut the ending short; but an ending that hangs
-    (wandb.finish, destroy_process_group) is stopped ENDING_GRACE_S after it began, exit 143, once a SIGTERM came.
-    Ctrl-C still stops at once."""
+    """The run is ending (run files, W&B, process group, failure report): a SIGTERM no longer cuts it short, but
+    stops an ending that hangs ENDING_GRACE_S after it began, exit 143. Ctrl-C still stops at once."""
     global _ending_since
     if _ending_since is None:
         _ending_since = time.monotonic()
@@ -101,10 +91,8 @@ def _stop_ending() -> None:
 
 
 def stop_with_torchrun_agent() -> None:
-    """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL. torchrun starts
-    each worker in a session of its own, so a signal to the agent's process group does not reach the workers, and
-    a killed agent would leave them training on, orphaned, holding the run directory. With SIGTERM they stop as a
-    preempted run does. Linux only; elsewhere nothing changes."""
+    """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL, and stop as a
+    preempted run does, rather than train on orphaned in a session of its own. Linux only."""
     import ctypes
 
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
@@ -144,22 +132,18 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 def _first_to_report() -> bool:
-    """Whether this process reports its launch's failure: always when it is the only process, else the first of the
-    launch's processes on this node to claim it (rank 0 gets a head start)."""
+    """Whether this process reports its launch's failure: the only process does, else the first of the launch's
+    processes on this node to claim it (rank 0 gets a head start)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # not started by torchrun (a LOCAL_RANK alone may be left over)
         return True
-    if _rank() != 0:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if not rank0:
         time.sleep(OTHER_RANKS_WAIT_S)
     import psutil
 
     agent = psutil.Process(os.getppid())  # the torchrun agent: the ranks' parent, one claim per launch and node
-    # The claim must outlive the reporting rank (another rank may fail minutes later, at a collective's timeout), so
-    # it stays while its agent lives: outside the run directory, and removed by a later claim once the agent is gone.
+    # a claim stays while its agent lives (another rank may fail minutes later); later claims remove the rest
     _remove_claims_of_ended_agents()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent restarting its workers: a new launch
     claim = CLAIMS_DIR / f"{CLAIM_PREFIX}{agent.pid}-{agent.create_time():.0f}-{restart}"
@@ -169,7 +153,7 @@ def _first_to_report() -> bool:
     except FileExistsError:
         return False
     except OSError:
-        return _rank() == 0
+        return rank0
 
 
 def _remove_claims_of_ended_agents() -> None:

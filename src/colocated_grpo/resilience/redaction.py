@@ -38,9 +38,8 @@ def secret_values() -> list[str]:
 def redact_text(text: str, secrets: list[str] | None = None) -> str:
     for value in secret_values() if secrets is None else secrets:
         text = text.replace(value, REDACTED)
-    # key=value / key: value where the key names a credential (Hydra overrides, YAML lines). Only keys that end like
-    # a credential are matched, so that a line such as `override_dirname: +logger.api_key=…` is not taken whole as
-    # the value of its first key.
+    # key=value / key: value where the key ends like a credential (Hydra overrides, YAML lines; in
+    # `override_dirname: +logger.api_key=…` the second key's value goes, not the whole line)
     return re.sub(
         r"(?im)(^|[\s\"'\[,+~])([\w.\-]*(?:api_?key|token|secret|password|passwd|credentials?))(\s*[=:]\s*)"
         r"([^\s,\]\"']+)",
@@ -65,10 +64,10 @@ def redact(obj, secrets: list[str] | None = None):
     return obj
 
 
-def scrub_files(directory: Path, pattern: str = "*.yaml") -> None:
-    """Redact files already written by others (Hydra's .hydra/ config, overrides and hydra.yaml)."""
+def scrub_files(directory: Path) -> None:
+    """Redact YAML files already written by others (Hydra's .hydra/ config, overrides and hydra.yaml)."""
     secrets = secret_values()
-    for path in Path(directory).glob(pattern):
+    for path in Path(directory).glob("*.yaml"):
         text = path.read_text()
         clean = redact_text(text, secrets)
         if clean != text:

@@ -1,17 +1,13 @@
-"""The run directory, claimed before Hydra writes into it.
+"""The run directory, claimed before Hydra writes its record (`.hydra/`) into it.
 
-Hydra creates `hydra.run.dir` and writes its record (`.hydra/config.yaml`, `overrides.yaml`, `hydra.yaml`) before any
-code of the run executes. `RunDirGuard` (a Hydra callback, `hydra.callbacks` in conf/train.yaml) runs first, at
-`on_run_start`:
+`RunDirGuard` (a Hydra callback, `hydra.callbacks` in conf/train.yaml) runs first, at `on_run_start`:
+- a directory that cannot be created or written is refused in one line: `hydra.run.dir`, the path, the reason;
+- rank 0 takes the run directory's lock, so a second launch into a directory in use is refused before Hydra
+  rewrites the live run's record;
+- only rank 0 writes Hydra's record.
 
-- a directory that cannot be created or written is refused with one line naming `hydra.run.dir`, the path and the
-  system's reason (instead of Hydra's chained tracebacks);
-- rank 0 takes the run directory's lock (resilience/checkpoints.py `lock`), so a second launch into a directory in
-  use is refused before Hydra rewrites the live run's record with the refused run's settings;
-- only rank 0 writes Hydra's record: the other ranks of a launch would otherwise write it without holding the lock.
-
-The lock is held until the process ends. A process started by the holder for the same directory (the trainer that
-a server placement's launcher starts) inherits it through `HELD_ENV`.
+The lock is held until the process ends; a process the holder starts for the same directory (a server placement's
+trainer) inherits it through `HELD_ENV`.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from hydra.experimental.callback import Callback
 
 from colocated_grpo import run_files
@@ -34,8 +31,7 @@ _records: dict[Path, dict[str, str]] = {}  # run directory -> the Hydra record o
 
 
 class RunDirRefused(SystemExit):
-    """The run directory cannot be used; raised as SystemExit so that neither Hydra nor its callback runner turns
-    it into a traceback or a warning."""
+    """The run directory cannot be used (a SystemExit: Hydra turns it into neither a traceback nor a warning)."""
 
 
 class RunDirGuard(Callback):
@@ -56,8 +52,9 @@ class RunDirGuard(Callback):
         if not main:
             with read_write(config.hydra):
                 config.hydra.output_subdir = None
-        else:
-            keep_record(run_dir)
+        elif (run_dir / run_files.RUN).exists() and (hydra_dir := run_dir / run_files.HYDRA).is_dir():
+            # the record of the run the directory holds, put back by restore_record if this launch is refused
+            _records[run_dir.resolve()] = {p.name: p.read_text() for p in hydra_dir.glob("*.yaml")}
 
 
 def check_writable(run_dir: Path, claim_it: bool = True) -> None:
@@ -80,25 +77,15 @@ def check_writable(run_dir: Path, claim_it: bool = True) -> None:
 def describe(err: OSError, run_dir: Path) -> str:
     """The system's reason, with the path it concerns (the first existing ancestor that is not a directory, if any)."""
     reason = err.strerror or str(err)
-    for parent in [run_dir, *run_dir.parents]:
-        if parent.exists():
-            if not parent.is_dir():
-                return f"{parent} is a file, not a directory ({reason})"
-            break
-    where = err.filename or run_dir
-    return f"{reason}: {where}"
-
-
-def keep_record(run_dir: Path) -> None:
-    """Remember the Hydra record of the run the directory already holds, before Hydra overwrites it with this
-    launch's, so that a launch refused before it starts (a changed config, `run.resume=never`) can put it back."""
-    hydra_dir = Path(run_dir) / run_files.HYDRA
-    if (Path(run_dir) / run_files.RUN).exists() and hydra_dir.is_dir():
-        _records[Path(run_dir).resolve()] = {p.name: p.read_text() for p in hydra_dir.glob("*.yaml")}
+    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory ({reason})"
+    return f"{reason}: {err.filename or run_dir}"
 
 
 def restore_record(run_dir: Path) -> None:
-    """Put back the record keep_record remembered (nothing when the directory held no run)."""
+    """Put back the Hydra record of the run the directory held before this launch (a launch refused before it
+    starts: a changed config, `run.resume=never`)."""
     for name, text in _records.pop(Path(run_dir).resolve(), {}).items():
         run_files.write_text(Path(run_dir) / run_files.HYDRA / name, text)
 
@@ -109,7 +96,15 @@ def claim(run_dir: Path) -> None:
     run_dir = Path(run_dir).resolve()
     if run_dir in _held or os.environ.get(HELD_ENV) == str(run_dir):
         return
-    _held[run_dir] = checkpoints.lock(run_dir)
+    lock = FileLock(str(run_dir / ".run.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise checkpoints.ResumeError(
+            f"{run_dir} is in use by another training process (it holds {lock.lock_file}); "
+            "wait for it to end, or choose another hydra.run.dir"
+        ) from None
+    _held[run_dir] = lock
     os.environ[HELD_ENV] = str(run_dir)
 
 

@@ -20,20 +20,18 @@ def explain_startup_error(exc: BaseException, cfg) -> StartupMemoryError | None:
     text = memory_failure(exc)
     if text is None:
         return None
-    trainer = cfg.trainer
-    util = trainer.get("vllm_gpu_memory_utilization")
-    util_key = f"trainer.vllm_gpu_memory_utilization={util}"
-    max_len = trainer.get("vllm_max_model_length")
+    util_key = f"trainer.vllm_gpu_memory_utilization={cfg.trainer.get('vllm_gpu_memory_utilization')}"
+    max_len = cfg.trainer.get("vllm_max_model_length")
     kv_gb = os.environ.get("VLLM_CPU_KVCACHE_SPACE", cfg.run.get("cpu_kvcache_gb"))
 
     if m := GPU_FREE.search(text):
         free, total, want, want_gb = (float(x) for x in m.groups())
+        fits = max(0.01, math.floor((free / total - 0.02) * 100) / 100)  # with 0.02 of room, floored to 0.01
         message = (
             f"vLLM could not start: {util_key} asks for {want} x {total} GiB = {want_gb} GiB of each GPU, but only "
             f"{free} GiB of {total} GiB were free when the engine started. In colocate mode the policy is loaded "
             "on the same GPU first and keeps its memory. Set trainer.vllm_gpu_memory_utilization to at most "
-            f"{_fraction_below(free / total)}, free the GPU of other processes, or shard the policy "
-            "(parallelism=fsdp / zero3)."
+            f"{fits}, free the GPU of other processes, or shard the policy (parallelism=fsdp / zero3)."
         )
     elif m := CPU_KV.search(text):
         node, free, total, want_gb = m.groups()
@@ -50,8 +48,10 @@ def explain_startup_error(exc: BaseException, cfg) -> StartupMemoryError | None:
             "the KV cache explicitly, or lower trainer.vllm_gpu_memory_utilization."
         )
     elif m := KV_TOO_SMALL.search(text):
+        import torch
+
         length, need, have, estimate = m.groups()
-        budget = f"run.cpu_kvcache_gb={kv_gb}" if _on_cpu() else util_key
+        budget = util_key if torch.cuda.is_available() else f"run.cpu_kvcache_gb={kv_gb}"
         fit = f"at most {estimate} (vLLM's estimate for this memory)" if estimate else "lower"
         message = (
             f"vLLM's KV cache cannot hold one sequence of trainer.vllm_max_model_length={max_len or length}: it needs "
@@ -72,14 +72,3 @@ def explain_startup_error(exc: BaseException, cfg) -> StartupMemoryError | None:
             "use a smaller model, or shard the policy (parallelism=fsdp / zero3)."
         )
     return StartupMemoryError(f"{message}\nOriginal error: {text}")
-
-
-def _fraction_below(share: float) -> float:
-    """A utilisation that fits in `share` of the device with a little room left: floor to 0.01 after 0.02 margin."""
-    return max(0.01, math.floor((share - 0.02) * 100) / 100)
-
-
-def _on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()

@@ -1,15 +1,10 @@
 """The W&B side of a resumed run: the same run id, every step logged once, none missing.
 
-W&B writes each run segment (one per attempt) to a transaction log (compat/wandb.py reads it); `wandb sync` uploads
-offline segments later, in order, as one run. Two things go wrong when a process is killed:
-
-- it has logged steps after its last checkpoint, which the resumed attempt logs again: `rewind` cuts offline
-  segments back to the moment that checkpoint was saved, as if the process had died right then;
-- W&B writes the transaction log every few seconds, so the last steps before the kill may never reach it:
-  `backfill` logs the steps up to the checkpoint that metrics.jsonl (the source of truth) has and the earlier
-  segments lack into the new segment, before training continues.
-
-Online segments are already on the server; rows they hold beyond the checkpoint are reported, not removed.
+Each attempt writes a W&B segment (a transaction log, read by compat/wandb.py); `wandb sync` uploads offline
+segments later, in order, as one run. When a process is killed:
+- steps it logged after its last checkpoint would be logged twice: `rewind` cuts offline segments back to the moment
+  that checkpoint was saved (online segments are on the server already: their extra rows are reported);
+- its last steps may never have reached the log: `backfill` logs those metrics.jsonl has into the new segment.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from transformers import TrainerCallback
 
 from colocated_grpo import run_files
 from colocated_grpo.compat.wandb import history, history_row, is_history, records, trainer_metric_names, truncate
-from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl, write_json
+from colocated_grpo.run_files import STEP_KEY, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
 
@@ -37,29 +32,27 @@ def segments(wandb_dir: Path, run_id: str) -> list[Path]:
 def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict[str, int]:
     """Cut this run's offline segments back to checkpoint `step`; returns the history rows dropped per segment.
 
-    With the checkpoint's marker the cut is exact: in the segment that saved it, before the first row logged after
-    it was saved; later segments lose every row. Without one (a checkpoint saved while W&B was off, or a run that
-    never checkpointed), rows after `step` go (all rows when step is 0).
-
-    Every segment is read before any is cut: a log this W&B does not know (compat.wandb.UnknownFormat, raised to
-    the caller) leaves them all as they were.
+    With the checkpoint's marker: from the first row logged after it was saved, and all rows of later segments;
+    without one (saved while W&B was off, or no checkpoint): the rows after `step` (all when step is 0).
+    All segments are read before any is cut: an unknown log format (compat.wandb.UnknownFormat) changes none.
     """
     order = [s.name for s in segments(wandb_dir, run_id)]
-    saved_in = (marker or {}).get("segment")
+    saver = order.index(marker["segment"]) if (marker or {}).get("segment") in order else None
+
+    def after_checkpoint(position: int, row: dict) -> bool:
+        if saver is None:  # no marker: the rows after the checkpoint's train step
+            return step == 0 or (row.get(STEP_KEY) is not None and row[STEP_KEY] > step)
+        return position > saver or row["_step"] >= marker["step"]
+
     cuts: dict[str, tuple[Path, int, int]] = {}
-    for name in order:
-        if saved_in in order:
-            position, saver = order.index(name), order.index(saved_in)
-            if position < saver:
-                continue
-            first_dropped = _after_wandb_step(marker["step"]) if position == saver else (lambda row: True)
-        else:
-            first_dropped = _after_train_step(step)
+    for position, name in enumerate(order):
+        if saver is not None and position < saver:
+            continue
         log_file = Path(wandb_dir) / name / f"run-{run_id}.wandb"
         cut, count = None, 0
         for offset, record in records(log_file) if log_file.exists() else ():
             if is_history(record):
-                if cut is None and first_dropped(history_row(record)):
+                if cut is None and after_checkpoint(position, history_row(record)):
                     cut = offset
                 count += cut is not None
         if cut is not None:
@@ -79,14 +72,6 @@ def rewind(wandb_dir: Path, run_id: str, step: int, marker: dict | None) -> dict
                 name,
             )
     return dropped
-
-
-def _after_wandb_step(wandb_step: int):
-    return lambda row: row["_step"] >= wandb_step
-
-
-def _after_train_step(step: int):
-    return lambda row: step == 0 or (row.get(STEP_KEY) is not None and row[STEP_KEY] > step)
 
 
 def backfill(run, run_dir: Path, step: int) -> list[int]:
@@ -111,19 +96,11 @@ def backfill(run, run_dir: Path, step: int) -> list[int]:
         s = record.get(STEP_KEY)
         if s is None or s > step or s in present:
             continue
-        values = {k: _number(v) for k, v in record.items() if k != STEP_KEY and v is not None}
+        values = {k: v for k, v in record.items() if k != STEP_KEY and v is not None}
+        values = {k: float(v) if v in ("inf", "-inf") else v for k, v in values.items()}  # JSON's infinities: strings
         run.log({**trainer_metric_names(values), STEP_KEY: s})
         logged.append(s)
     return logged
-
-
-def _number(value):
-    """metrics.jsonl writes infinities as strings (JSON has none); W&B should get the numbers back."""
-    return float(value) if value in ("inf", "-inf") else value
-
-
-def read_marker(checkpoint: Path | None) -> dict | None:
-    return None if checkpoint is None else read_json(Path(checkpoint) / MARKER)
 
 
 class RecordWandbStep(TrainerCallback):
