@@ -1,7 +1,5 @@
-"""Turn every rank's phase marks, GPU samples and token counts for one step into the logged metrics.
-
-Pure functions of recorded data, so they are tested on CPU with recorded sample streams.
-"""
+"""Every rank's phase marks, GPU samples and token counts of one step → the logged metrics (pure functions of
+recorded data: tested on CPU)."""
 
 from __future__ import annotations
 
@@ -93,10 +91,8 @@ def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:
         for s, phase in r.labelled:
             by_phase[phase].append(s.util)
     for gpu, samples in sorted(by_gpu.items()):
-        metrics[f"gpu/{gpu}/util"] = _mean(s.util for s in samples)
-        metrics[f"gpu/{gpu}/mem_gb"] = _mean(s.mem_gb for s in samples)
-        metrics[f"gpu/{gpu}/power_w"] = _mean(s.power_w for s in samples)
-        metrics[f"gpu/{gpu}/sm_clock_mhz"] = _mean(s.sm_clock_mhz for s in samples)
+        for name in ("util", "mem_gb", "power_w", "sm_clock_mhz"):
+            metrics[f"gpu/{gpu}/{name}"] = _mean(getattr(s, name) for s in samples)
     for phase in PHASES:
         if by_phase[phase]:
             metrics[f"gpu/util_{phase}"] = _mean(by_phase[phase])
@@ -108,38 +104,30 @@ def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:
 
 
 class SteadyState:
-    """Running means of every numeric metric over the steps after each attempt's `warmup_steps` (all steps while none
-    are left), updated one record at a time so that a long run's summary costs the same at step 10 000 as at step 10.
-
-    `starts`: the step each attempt of the run started from (0, then each resume's checkpoint step). A resumed
-    attempt starts a fresh process and engine, so its first steps are warm-up too, not those after global step
-    `warmup_steps` only."""
+    """Running means of every numeric metric over the steps after each attempt's first `warmup_steps` (all steps
+    while none are left). `starts`: the step each attempt started from (0, then each resume's checkpoint step)."""
 
     def __init__(self, warmup_steps: int, starts=(0,)):
         self.warmup_steps = warmup_steps
         self.starts = sorted({0, *starts})
         self._all = _Means()
         self._steady = _Means()
-        self._attempts: dict[str, set[int]] = {"all": set(), "steady": set()}  # the starts of those averaged
         self._last: dict = {}
 
     def add(self, record: dict) -> None:
         step = record.get(STEP_KEY, 0)
         start = self.starts[bisect.bisect_left(self.starts, step) - 1] if step > 0 else 0  # its attempt's start
-        self._all.add(record)
-        self._attempts["all"].add(start)
+        self._all.add(record, start)
         if step - start > self.warmup_steps:
-            self._steady.add(record)
-            self._attempts["steady"].add(start)
+            self._steady.add(record, start)
         self._last = record
 
     def summary(self) -> dict[str, float]:
-        which = "steady" if self._steady.records else "all"
-        means = self._steady if which == "steady" else self._all
+        means = self._steady if self._steady.records else self._all
         summary = means.means()
         summary["steady_state/steps"] = means.records
         summary["steady_state/warmup_steps"] = self.warmup_steps
-        summary["steady_state/attempts"] = len(self._attempts[which])  # attempts whose steps are in the means
+        summary["steady_state/attempts"] = len(means.starts)  # attempts whose steps are in the means
         if "reward" in self._last:
             summary["final/reward"] = self._last["reward"]
         return summary
@@ -148,11 +136,13 @@ class SteadyState:
 class _Means:
     def __init__(self):
         self.records = 0
+        self.starts: set[int] = set()  # the attempts averaged, by the step each started from
         self.sums: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
 
-    def add(self, record: dict) -> None:
+    def add(self, record: dict, start: int) -> None:
         self.records += 1
+        self.starts.add(start)
         for key, value in record.items():
             if key == STEP_KEY or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
@@ -166,7 +156,7 @@ class _Means:
 
 
 def steady_state(records: list[dict], warmup_steps: int, starts=(0,)) -> dict[str, float]:
-    """SteadyState's summary of a list of records (`starts`: each attempt's first step minus one)."""
+    """SteadyState's summary of a list of records."""
     state = SteadyState(warmup_steps, starts)
     for record in records:
         state.add(record)

@@ -25,14 +25,12 @@ PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 
 class MetricsFileCallback(TrainerCallback):
-    """Writes each logged step to metrics.jsonl on rank 0, keyed by `train/global_step` like the W&B run, merged
-    with whatever the `extras` providers hand over (the step's telemetry); keeps summary.json up to date.
+    """Rank 0: each logged step to metrics.jsonl, keyed by `train/global_step` like the W&B run, with what the
+    `extras` hand over (the step's telemetry); summary.json kept current; the trainer's totals: trainer_summary.json."""
 
-    The trainer's end-of-training totals go to trainer_summary.json instead."""
-
-    def __init__(self, run_dir: Path, extras=(), warmup_steps: int = 1):
+    def __init__(self, run_dir: Path, warmup_steps: int = 1):
         self.run_dir = run_dir
-        self.extras = list(extras)
+        self.extras: list = []  # providers of a step's extra metrics
         self.steady = aggregate.SteadyState(warmup_steps)
         self.writer: JsonlWriter | None = None
         self.last: dict = {}  # the record of the latest step (telemetry/step_line.py prints it)
@@ -62,19 +60,12 @@ class MetricsFileCallback(TrainerCallback):
         self.writer.write(record)
         self.last = record
         self.steady.add(record)
-        self.write_summary()
-
-    def write_summary(self) -> dict:
         summary = self.steady.summary()
         write_json(self.run_dir / run_files.SUMMARY, summary)
-        try:
-            import wandb
+        import wandb
 
-            if wandb.run is not None:
-                wandb.run.summary.update(summary)
-        except ImportError:
-            pass
-        return summary
+        if wandb.run is not None:
+            wandb.run.summary.update(summary)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.writer is not None:
@@ -103,15 +94,13 @@ class TelemetryCallback(TrainerCallback):
         self.n_params: int | None = None
         self.constants: dict[str, float] = {}  # logged with every step: model size, KV-cache capacity
 
-    # -- lifecycle ---------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
         import torch
 
-        rank = self.trainer.accelerator.process_index
         why_not = nvml.unavailable() if self.cuda else "torch sees no CUDA device"
         if why_not is None:
             device = torch.cuda.current_device()
-            gpus = {str(rank): nvml.cuda_device_uuid(device)}
+            gpus = {str(self.trainer.accelerator.process_index): nvml.cuda_device_uuid(device)}
             if state.is_world_process_zero:  # a vLLM server's GPUs (server placement) are sampled by rank 0
                 server_gpus = [g for g in os.environ.get(SERVER_GPUS_ENV, "").split(",") if g]
                 gpus.update({f"server{j}": uuid for j, uuid in enumerate(server_gpus)})
@@ -123,8 +112,7 @@ class TelemetryCallback(TrainerCallback):
             log.warning("no GPU metrics: %s; logging phase timings and throughput only", why_not)
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.model.parameters())
         self.constants = {"model/params": float(self.n_params)}
-        kv_tokens = trl_internals.kv_cache_tokens(self.trainer)
-        if kv_tokens is not None:
+        if (kv_tokens := trl_internals.kv_cache_tokens(self.trainer)) is not None:
             self.constants["vllm/kv_cache_tokens"] = float(kv_tokens)
         if state.is_world_process_zero:
             self.samples_writer = JsonlWriter(self.run_dir / run_files.GPU_SAMPLES)
@@ -137,7 +125,6 @@ class TelemetryCallback(TrainerCallback):
             if writer is not None:
                 writer.close()
 
-    # -- phase edges -------------------------------------------------------------------------------------------
     def on_step_begin(self, args, state, control, **kwargs):
         self.tracker.begin_step()
 
@@ -161,20 +148,11 @@ class TelemetryCallback(TrainerCallback):
             return
         metrics = aggregate.step_metrics(reports, self.n_params if self.cuda else None, self.peak_tflops)
         for r in reports:
+            row = {STEP_KEY: state.global_step, "rank": r.rank}
             for seg in r.phases.segments:  # the step's timeline: what each rank did when (same clock as samples)
-                self.phases_writer.write(
-                    {
-                        STEP_KEY: state.global_step,
-                        "rank": r.rank,
-                        "phase": seg.phase,
-                        "start": seg.start,
-                        "end": seg.end,
-                    }
-                )
+                self.phases_writer.write({**row, "phase": seg.phase, "start": seg.start, "end": seg.end})
             for sample, phase in r.labelled:
-                self.samples_writer.write(
-                    {STEP_KEY: state.global_step, "rank": r.rank, "phase": phase, **sample.__dict__}
-                )
+                self.samples_writer.write({**row, "phase": phase, **sample.__dict__})
         metrics.update(self.constants)
         metrics["telemetry/barrier_s"] = barrier_s
         metrics["telemetry/callback_s"] = time.perf_counter() - t0
@@ -182,7 +160,10 @@ class TelemetryCallback(TrainerCallback):
             metrics["telemetry/sampler_s"] = self.sampler.read_s
             self.sampler.read_s = 0.0
         self.pending = metrics
-        _log_to_wandb(metrics, state.global_step)
+        import wandb
+
+        if wandb.run is not None:
+            wandb.run.log({**metrics, STEP_KEY: state.global_step})
 
     def pop_step_metrics(self) -> dict[str, float]:
         metrics, self.pending = self.pending, {}
@@ -197,12 +178,3 @@ def _gather(report):
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     return reports
-
-
-def _log_to_wandb(metrics: dict, step: int) -> None:
-    try:
-        import wandb
-    except ImportError:
-        return
-    if wandb.run is not None:
-        wandb.run.log({**metrics, STEP_KEY: step})

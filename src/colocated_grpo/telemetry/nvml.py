@@ -1,9 +1,5 @@
-"""Background NVML sampler: utilisation, memory, power and SM clock of the GPUs this process uses.
-
-W&B's system monitor samples every 15 s, far coarser than a GRPO step; this samples every `interval_s`
-(0.2 s by default). GPUs are matched to CUDA devices by UUID, so CUDA_VISIBLE_DEVICES orderings and PCI vs.
-NVML numbering cannot mix them up.
-"""
+"""Background NVML sampler: utilisation, memory, power and SM clock of the GPUs this process uses, every
+`interval_s` (W&B's system monitor: every 15 s). GPUs are matched to CUDA devices by UUID, whatever the numbering."""
 
 from __future__ import annotations
 
@@ -62,14 +58,14 @@ def cuda_device_uuid(device_index: int) -> str:
 class GpuSampler:
     """Samples the GPUs given as {label: NVML UUID} in a daemon thread; `take(t0, t1)` hands out samples."""
 
-    def __init__(self, gpus: dict[str, str], interval_s: float = 0.2, max_samples: int = 100_000):
+    def __init__(self, gpus: dict[str, str], interval_s: float = 0.2):
         import pynvml
 
         self._nvml = pynvml
         pynvml.nvmlInit()
         self.handles = {label: pynvml.nvmlDeviceGetHandleByUUID(uuid) for label, uuid in gpus.items()}
         self.interval_s = interval_s
-        self._samples: deque[Sample] = deque(maxlen=max_samples)
+        self._samples: deque[Sample] = deque(maxlen=100_000)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gpu-sampler", daemon=True)
@@ -93,16 +89,10 @@ class GpuSampler:
                 power = nv.nvmlDeviceGetPowerUsage(h) / 1000.0
             except nv.NVMLError:
                 power = float("nan")
-            out.append(
-                Sample(
-                    t=t0,
-                    gpu=label,
-                    util=float(nv.nvmlDeviceGetUtilizationRates(h).gpu),
-                    mem_gb=nv.nvmlDeviceGetMemoryInfo(h).used / 1e9,
-                    power_w=power,
-                    sm_clock_mhz=float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-                )
-            )
+            util = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            mem_gb = nv.nvmlDeviceGetMemoryInfo(h).used / 1e9
+            clock = float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+            out.append(Sample(t0, label, util, mem_gb, power, clock))
         self.read_s += time.perf_counter() - t0
         self.reads += 1
         return out

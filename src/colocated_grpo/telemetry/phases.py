@@ -1,8 +1,7 @@
 """Phase marks: which part of a GRPO step each moment of wall-clock time belongs to.
 
-Phases nest (sync_weights runs inside generate, generate inside TRL's training_step); time always goes to the
-innermost open phase, and time inside a step with no open phase is `other`. The result per step is a list of
-non-overlapping segments that cover the step exactly, so the phase durations add up to the step time.
+Phases nest (sync_weights inside generate inside TRL's training_step); time goes to the innermost open phase, else
+to `other`. Each step's segments cover it exactly, so the phase durations add up to the step time.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
     step 2/3 | reward 0.41 | 1.92 s (generate 1.10, train 0.61) | 812 tok/s/GPU | GPU 63 %
 
-(only the parts the step has: GPU utilisation needs NVML, the phases need the telemetry). It replaces transformers'
-progress bar and its whole metrics dict per step (ProgressCallback, PrinterCallback); the dict goes to the run's log
-file (train.log, Hydra's file handler) under the same line, and every number to metrics.jsonl."""
+(only the parts the step has). It replaces transformers' progress bar and metrics dict (ProgressCallback,
+PrinterCallback); the dict goes to train.log under the same line, every number to metrics.jsonl."""
 
 from __future__ import annotations
 
