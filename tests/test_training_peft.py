@@ -20,8 +20,7 @@ from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 from colocated_grpo.run_files import read_jsonl
-from colocated_grpo.training import adapters
-from colocated_grpo.training.config import validate
+from colocated_grpo.training.config import peft_config, validate
 
 needs_peft = pytest.mark.skipif(
     importlib.util.find_spec("peft") is None, reason="the `peft` extra (bash .ci/install.sh cpu installs it)"
@@ -40,11 +39,11 @@ def test_lora_group_becomes_the_peft_config_trl_receives():
     validate(cfg)
     import peft
 
-    lora = adapters.peft_config(cfg)
+    lora = peft_config(cfg)
     assert isinstance(lora, peft.LoraConfig)
     assert (lora.r, lora.lora_alpha, lora.lora_dropout) == (8, 16, 0.05)
     assert set(lora.target_modules) == {"q_proj", "v_proj"} and lora.task_type == "CAUSAL_LM"
-    assert adapters.peft_config(compose_train()) is None, "peft=none (the default) trains the whole model"
+    assert peft_config(compose_train()) is None, "peft=none (the default) trains the whole model"
     assert compose_train("+peft.use_rslora=true", "peft=lora").peft.use_rslora is True  # any LoraConfig field
 
 

@@ -4,7 +4,10 @@ truncating it at a record boundary) is what lets a resumed run keep every step i
 
 Being undocumented, the format may change with any W&B release: the reader refuses (UnknownFormat) with a W&B outside
 the versions it was checked against (TESTED, the range pyproject.toml pins) or a log it does not recognise, and a
-resumed run then starts a new W&B run instead (resilience/attempts.py)."""
+resumed run then starts a new W&B run instead (resilience/attempts.py).
+
+Also: whether W&B holds credentials for its server, found as `wandb.init` finds them, without a prompt or a request
+(wandb's own `wbauth.authenticate_session`, not public API)."""
 
 from __future__ import annotations
 
@@ -71,11 +74,7 @@ def records(path: Path) -> Iterator[tuple[int, object]]:
 
 def history(path: Path) -> list[dict]:
     """The history rows of one transaction log: {"_step": n, key: value, ...} in the order they were logged."""
-    rows = []
-    for _, record in records(path):
-        if is_history(record):
-            rows.append(history_row(record))
-    return rows
+    return [history_row(record) for _, record in records(path) if is_history(record)]
 
 
 def history_row(record) -> dict:
@@ -105,3 +104,23 @@ def trainer_metric_names(values: dict) -> dict:
     from transformers.integrations.integration_utils import rewrite_logs
 
     return rewrite_logs(values)
+
+
+def server() -> str:
+    """The W&B server a run would talk to (WANDB_BASE_URL or W&B's settings)."""
+    from wandb.sdk import wandb_setup
+
+    return wandb_setup.singleton().settings.base_url
+
+
+def missing_credentials() -> str | None:
+    """None when W&B has credentials for `server()`, else why not, in one sentence."""
+    from wandb.errors import AuthenticationError
+    from wandb.sdk.lib import wbauth
+
+    host = server()
+    try:
+        auth = wbauth.authenticate_session(host=host, source="colocated_grpo", prompt=False, update_session=False)
+    except AuthenticationError as err:  # a key that cannot be one (e.g. too short), before any request
+        return str(err)
+    return None if auth is not None else f"none found for {host}"

@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import logging
 import os
+import re
 import typing
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.resilience.checkpoints import RESUME_MODES
-from colocated_grpo.training import adapters, data, field_types, models, rewards
+from colocated_grpo.training import data, field_types, models, rewards
 from colocated_grpo.training.models import SHAPES, attention_heads
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,7 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig, world: int | None = None) -> None:
-    """Raise ConfigError listing every problem found; silent when the config can run. Reads no weights: a model's
-    config.json and local data files are read where they are on this machine (a hub model's config.json is fetched
-    only when neither that nor the preset's `model.published` gives its heads)."""
+    """Raise ConfigError listing every problem found. Reads no weights, only config.json and local data files."""
     world = world_size(cfg) if world is None else world
     problems = missing_problems(cfg)
     field_problems = trainer_field_problems(cfg.trainer)
@@ -52,7 +51,8 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
     problems += _reward_problems(cfg)
     if not OmegaConf.is_missing(cfg.model, "name_or_path"):
         problems += _model_problems(cfg.model)
-    problems += _run_problems(cfg)
+    if cfg.run.resume not in RESUME_MODES:  # run.* has its types from the schema node; its values are checked here
+        problems.append(f"run.resume={cfg.run.resume!r} must be one of {list(RESUME_MODES)}")
     if cfg.placement.get("fast_sync") and not float(cfg.placement.sync_chunk_gb) > 0:
         problems.append(
             f"placement.sync_chunk_gb={cfg.placement.sync_chunk_gb} must be above 0 (GiB of gathered FSDP2 weights "
@@ -75,10 +75,9 @@ MISSING_FIXES = {
 
 def missing_problems(cfg: DictConfig) -> list[str]:
     """Every mandatory value (???) left unset, with what to set it to."""
-    found = []
-    for key in _missing_keys(cfg):
-        found.append(f"{key} is not set (???): {MISSING_FIXES.get(key, f'set it with {key}=<value>')}")
-    return found
+    return [
+        f"{key} is not set (???): {MISSING_FIXES.get(key, f'set it with {key}=<value>')}" for key in _missing_keys(cfg)
+    ]
 
 
 def _missing_keys(node, prefix: str = "") -> list[str]:
@@ -133,9 +132,7 @@ def trainer_field_problems(trainer: DictConfig) -> list[str]:
 
 def trainer_value(trainer: DictConfig, key: str):
     """`trainer.<key>` as set, else GRPOConfig's default for it."""
-    if key in trainer:
-        return trainer[key]
-    return grpo_fields()[key][1]
+    return trainer[key] if key in trainer else grpo_fields()[key][1]
 
 
 def _trainer_problems(cfg: DictConfig, world: int) -> list[str]:
@@ -192,9 +189,7 @@ def _trainer_problems(cfg: DictConfig, world: int) -> list[str]:
 
 
 def length_problems(cfg: DictConfig) -> list[str]:
-    """Prompt + completion must fit in the engine's context (trainer.vllm_max_model_length) and the model's
-    (max_position_embeddings, where its config is at hand). Each prompt is measured once the data is loaded
-    (training/prompt_lengths.py)."""
+    """Prompt + completion must fit in the engine's context and the model's (where its config is at hand)."""
     trainer, problems = cfg.trainer, []
     completion = int(trainer_value(trainer, "max_completion_length"))
     prompt = OmegaConf.select(cfg, "data.max_prompt_tokens")
@@ -245,7 +240,7 @@ def _reward_problems(cfg: DictConfig) -> list[str]:
     weights = OmegaConf.to_container(OmegaConf.select(cfg, "reward.weights") or OmegaConf.create({}), resolve=True)
     params = OmegaConf.to_container(OmegaConf.select(cfg, "reward.params") or OmegaConf.create({}), resolve=True)
     problems += rewards.problems(weights, params)
-    needs = {name: rewards.required_columns(name) for name in weights if name in rewards.REGISTRY}
+    needs = rewards.columns_needed(weights)
     if not _missing_keys(cfg.data):
         problems += data.problems(cfg.data, needs)
     return problems
@@ -269,10 +264,31 @@ def gpu_only_problems(cfg: DictConfig) -> list[str]:
 
 # ------------------------------------------------------------------ optional backends: DeepSpeed ZeRO-3, peft adapters
 
+PEFT_CONFIG_CLASSES = {"lora": "LoraConfig"}  # peft.name → the peft config class it builds
+
+
+def peft_name(cfg: DictConfig) -> str:
+    """The adapter kind of this config; `none` also for configs written before the group existed."""
+    return str(OmegaConf.select(cfg, "peft.name", default="none"))
+
+
+def peft_options(cfg: DictConfig) -> dict:
+    """The peft config's keyword arguments: every key of the group but `name`."""
+    return {k: v for k, v in OmegaConf.to_container(cfg.peft, resolve=True).items() if k != "name"}
+
+
+def peft_config(cfg: DictConfig):
+    """What GRPOTrainer(peft_config=…) receives: peft.LoraConfig(task_type="CAUSAL_LM", …), or None for peft=none."""
+    kind = peft_name(cfg)
+    if kind == "none":
+        return None
+    import peft
+
+    return getattr(peft, PEFT_CONFIG_CLASSES[kind])(**{"task_type": "CAUSAL_LM", **peft_options(cfg)})
+
 
 def backend_problems(cfg: DictConfig) -> list[str]:
-    """The parallelism and peft groups: their packages (optional extras), the adapter's options, and the
-    combinations TRL or accelerate refuse with them, each named by its keys."""
+    """The parallelism and peft groups: their packages, the adapter's options, and combinations TRL refuses."""
     problems = []
     trainer = cfg.trainer
     if cfg.parallelism.name.startswith("zero3"):
@@ -286,11 +302,11 @@ def backend_problems(cfg: DictConfig) -> list[str]:
                 f"parallelism={cfg.parallelism.name} and trainer.fsdp={trainer.fsdp!r} both shard the model: "
                 "transformers takes one of DeepSpeed and FSDP; drop trainer.fsdp or use parallelism=fsdp"
             )
-    kind = adapters.name(cfg)
+    kind = peft_name(cfg)
     if kind == "none":
         return problems
-    if kind not in adapters.CONFIG_CLASSES:
-        return [*problems, f"peft.name={kind!r} must be one of {['none', *adapters.CONFIG_CLASSES]}"]
+    if kind not in PEFT_CONFIG_CLASSES:
+        return [*problems, f"peft.name={kind!r} must be one of {['none', *PEFT_CONFIG_CLASSES]}"]
     if importlib.util.find_spec("peft") is None:
         problems.append(f'peft={kind} needs the `peft` package: pip install "colocated-grpo[peft]" (or peft=none)')
     else:
@@ -306,13 +322,13 @@ def backend_problems(cfg: DictConfig) -> list[str]:
 def _adapter_option_problems(cfg: DictConfig, kind: str) -> list[str]:
     import peft
 
-    fields = {f.name for f in dataclasses.fields(getattr(peft, adapters.CONFIG_CLASSES[kind]))}
-    options = adapters.options(cfg)
+    fields = {f.name for f in dataclasses.fields(getattr(peft, PEFT_CONFIG_CLASSES[kind]))}
+    options = peft_options(cfg)
     problems = []
     for key in sorted(set(options) - fields):
         near = difflib.get_close_matches(key, fields, n=1)
         hint = f" (did you mean peft.{near[0]}?)" if near else ""
-        problems.append(f"peft.{key} is not a peft.{adapters.CONFIG_CLASSES[kind]} field{hint}")
+        problems.append(f"peft.{key} is not a peft.{PEFT_CONFIG_CLASSES[kind]} field{hint}")
     r, alpha, dropout = options.get("r"), options.get("lora_alpha"), options.get("lora_dropout")
     if r is not None and not (isinstance(r, int) and not isinstance(r, bool) and r > 0):
         problems.append(f"peft.r={r!r} must be a positive integer (the adapter rank, e.g. 16)")
@@ -323,19 +339,11 @@ def _adapter_option_problems(cfg: DictConfig, kind: str) -> list[str]:
     targets = options.get("target_modules")
     names = [targets] if isinstance(targets, str) else targets or []
     if "lm_head" in names:
-        # TRL computes log-probs from lm_head.weight directly: an adapter there would never train (it refuses it).
         problems.append(
             "peft.target_modules includes lm_head: TRL computes log-probs from lm_head.weight directly, so an adapter "
             "there would never train; remove lm_head (all-linear already leaves it out)"
         )
     return problems
-
-
-def _run_problems(cfg: DictConfig) -> list[str]:
-    """run.* has its types from the schema (hydra_plugins/colocated_grpo_config); its values are checked here."""
-    if cfg.run.resume not in RESUME_MODES:
-        return [f"run.resume={cfg.run.resume!r} must be one of {list(RESUME_MODES)}"]
-    return []
 
 
 def _model_problems(model: DictConfig) -> list[str]:
@@ -378,9 +386,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived: dict | None = None):
-    """trl.GRPOConfig from `trainer.*` plus what the runner owns (output dir, reporting, seed, reward weights) and
-    what was derived from the data where the config leaves it unset (`derived`, e.g. vllm_max_model_length).
-    TRL's own checks (GRPOConfig.__post_init__) refuse with a ConfigError naming the trainer keys."""
+    """trl.GRPOConfig from `trainer.*`, what the runner owns and what the data derived (`derived`) where unset.
+    TRL's own refusals become a ConfigError naming the trainer keys."""
     import torch
     from trl import GRPOConfig
 
@@ -430,15 +437,11 @@ ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r"}
 
 
 def _stop_strings(generation_kwargs: dict) -> list[str]:
-    """The stop strings asked for, with the escapes `\\n`, `\\t`, `\\r` read as the characters they name: Hydra
-    passes `stop:["\\n\\n"]` on as a backslash and an n, which no completion would ever contain."""
+    """The stop strings asked for, `\\n`, `\\t`, `\\r` read as the characters (Hydra passes them on escaped)."""
     stop = generation_kwargs.get("stop")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
     decoded = []
-    for text in stops:
-        new = str(text)
-        for escape, char in ESCAPES.items():
-            new = new.replace(escape, char)
+    for text in [stop] if isinstance(stop, str) else list(stop or []):
+        new = re.sub(r"\\[ntr]", lambda m: ESCAPES[m[0]], str(text))
         if new != text:
             log.info("trainer.generation_kwargs.stop: %r read as %r", text, new)
         decoded.append(new)
@@ -446,8 +449,7 @@ def _stop_strings(generation_kwargs: dict) -> list[str]:
 
 
 def fixed_length_kwargs(trainer: dict) -> dict:
-    """Generation kwargs that make every completion exactly max_completion_length tokens (EOS suppressed until then),
-    so benchmark steps do equal work whichever backend generates: vLLM's SamplingParams or transformers' generate."""
+    """Generation kwargs that make every completion exactly max_completion_length tokens (EOS suppressed)."""
     length = int(trainer.get("max_completion_length", 256))
     if trainer.get("use_vllm"):
         return {"min_tokens": length, "ignore_eos": True}

@@ -1,10 +1,9 @@
-"""Prompt datasets: synthetic arithmetic (offline), GSM8K (hub), and any dataset of yours, from the hub or local files
-(`data=hub`, `data=local`). Every row gets a `prompt` (chat messages, or plain text with `chat_template: false`) and,
-where there is a reference answer, an `answer` column that rewards such as exact_answer read; the dataset's other
-columns stay, so a reward of yours can read them by name.
+"""Prompt datasets: synthetic arithmetic (offline), GSM8K (hub), and any dataset of yours (`data=hub`, `data=local`).
+Every row gets a `prompt` (chat messages, or plain text with `chat_template: false`) and, where there is a reference
+answer, an `answer`; the other columns stay, for rewards of yours to read by name.
 
-`problems` checks a data config, and the dataset's columns where they can be read without a download, before
-anything loads; `build` loads the dataset and checks the same things on what it loaded (a hub dataset's columns)."""
+`problems` checks a data config (and local files' columns) before anything loads; `build` loads the dataset and
+checks what it loaded."""
 
 from __future__ import annotations
 
@@ -117,12 +116,10 @@ def _option_problems(data_cfg) -> list[str]:
     policy = data_cfg.get("overlong_prompts", "fail")
     if policy not in OVERLONG:
         found.append(f"data.overlong_prompts={policy!r} must be one of {list(OVERLONG)}")
-    limit = data_cfg.get("max_prompt_tokens")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        found.append(f"data.max_prompt_tokens={limit!r} must be a positive number of tokens, or null")
-    num = data_cfg.get("num_samples")
-    if num is not None and (not isinstance(num, int) or isinstance(num, bool) or num < 1):
-        found.append(f"data.num_samples={num!r} must be a positive number of rows, or null for all")
+    for key, what in (("max_prompt_tokens", "tokens, or null"), ("num_samples", "rows, or null for all")):
+        value = data_cfg.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            found.append(f"data.{key}={value!r} must be a positive number of {what}")
     chat = data_cfg.get("chat_template", True)
     if not isinstance(chat, bool):
         found.append(f"data.chat_template={chat!r} must be true (chat messages) or false (plain text prompts)")
@@ -223,11 +220,12 @@ def _load_source(data_cfg):
             ds = datasets.load_dataset(builder, data_files=files, split="train")
         else:
             path = str(data_cfg.path)
-            if Path(path).expanduser().is_file() and Path(path).expanduser().stat().st_size == 0:
+            file = Path(path).expanduser()
+            if file.is_file() and file.stat().st_size == 0:
                 raise DataError([f"data.path={path!r} is empty: it holds no rows"])
-            if Path(path).expanduser().is_file():  # one data file: read it as data=local would (split: train)
+            if file.is_file():  # one data file: read it as data=local would (split: train)
                 builder = READERS.get(path.rsplit(".", 1)[-1].lower(), "json")
-                ds = datasets.load_dataset(builder, data_files=[str(Path(path).expanduser())], split="train")
+                ds = datasets.load_dataset(builder, data_files=[str(file)], split="train")
             else:
                 ds = datasets.load_dataset(path, data_cfg.get("name"), split=data_cfg.split)
     except DataError:

@@ -1,6 +1,5 @@
-"""Is a config value of the type a dataclass field or a function parameter declares? Used on `trainer.*` (against
-trl.GRPOConfig's fields) and `reward.params.*` (against the reward's parameters), so that a wrong value is reported
-with its key before anything loads instead of failing deep inside TRL or transformers."""
+"""Is a config value of the type a field declares? Checks `trainer.*` against trl.GRPOConfig and `reward.params.*`
+against the reward's parameters, so that a wrong value is reported with its key before anything loads."""
 
 from __future__ import annotations
 
@@ -15,17 +14,16 @@ import pydantic
 
 
 def fits(value: Any, annotation: Any) -> bool:
-    """True when `value` (as OmegaConf gives it: int, float, bool, str, None, list, dict) can be passed as a value of
-    `annotation`. pydantic reads it as the JSON it is, strictly: an integer is a number, true is no integer, an enum
-    is given by its value. Types with no JSON form (classes of objects, callables) pass: their owner checks them."""
+    """True when `value` (as OmegaConf gives it) fits `annotation`, read strictly as JSON by pydantic (true is no
+    integer, an enum is given by its value). Types with no JSON form (objects, callables) pass: their owner checks."""
     adapter = _adapter(_by_value(annotation))
     if adapter is None:
         return True
     try:
         adapter.validate_json(json.dumps(value), strict=True)
+        return True
     except pydantic.ValidationError:
         return False
-    return True
 
 
 @functools.cache

@@ -1,23 +1,23 @@
-"""Model resolution and offline model builders.
-
-A model config names either a hub id / local directory (`build: null`) or a builder (`build: tiny`,
-`build: qwen2.5-1.5b`, ...) that writes a random-weight model plus a locally trained tokenizer into
-`name_or_path` once and reuses it. TRL's colocated vLLM loads the model by `name_or_path`, so a built model
-must be a real directory on disk.
-"""
+"""Model resolution and offline model builders. A model config names a hub id or local directory (`build: null`), or
+a builder (`build: tiny`, `build: qwen2.5-1.5b`, …) that writes a random-weight model and a locally trained tokenizer
+into the directory `name_or_path` once (TRL's colocated vLLM loads the model by that path)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
 
 from colocated_grpo.training.data import arithmetic_corpus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,21 +134,15 @@ def attention_heads(model_cfg) -> tuple[int, int]:
 
 
 def build(shape_name: str, target: Path) -> Path:
-    """Build a random-weight Qwen2 of the named shape into `target` once; later calls reuse it.
-
-    Safe under torchrun: ranks serialise on a file lock and the model appears atomically (built in a temporary
-    directory next to the target, then renamed).
-    """
+    """Build a random-weight Qwen2 of the named shape into `target` once; later calls reuse it. Safe under torchrun:
+    ranks take a file lock, and the model is built beside the target, then renamed into place."""
     if shape_name not in SHAPES:
         raise ValueError(f"model.build={shape_name!r} is not a known shape; choose one of {sorted(SHAPES)}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").exists():
             return target
-        import logging  # here, not at the top: the one message of this module
-        import time
-
-        log, t0 = logging.getLogger(__name__), time.monotonic()
+        t0 = time.monotonic()
         log.info("building the random-weight %s model into %s (once; later runs reuse it)", shape_name, target)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
         try:
@@ -192,11 +186,8 @@ def _write_model(shape: Shape, out: Path) -> None:
 
 
 def build_tokenizer(vocab_size: int | None = None):
-    """A byte-level BPE tokenizer trained on the synthetic arithmetic text, with a Qwen-style chat template.
-
-    With `vocab_size`, the vocabulary is padded with filler tokens up to exactly that size so that a real-shape
-    model can sample any id and every id still decodes.
-    """
+    """A byte-level BPE tokenizer trained on the synthetic arithmetic text, with a Qwen-style chat template; with
+    `vocab_size`, padded with filler tokens to exactly that size (a real-shape model may sample any id)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

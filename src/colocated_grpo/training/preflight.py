@@ -1,10 +1,9 @@
-"""What the runner checks once the config is valid and before W&B starts or the model loads: the dataset as loaded
-(columns, rows), every prompt's length in the model's tokens, and TRL's own rules on the trainer settings
-(GRPOConfig.__post_init__). Every problem of the three is reported at once, as a ConfigError."""
+"""What the runner checks once the config is valid, before W&B starts or the model loads: the dataset as loaded,
+every prompt's length in tokens, and TRL's own rules on the trainer settings; all problems at once, as a ConfigError."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -12,16 +11,16 @@ from omegaconf import DictConfig, OmegaConf
 from colocated_grpo.training import config, data, models, prompt_lengths, rewards
 
 
-@dataclass
+@dataclasses.dataclass
 class Prepared:
     args: object  # trl.GRPOConfig
     dataset: object  # datasets.Dataset
-    prompts: dict | None  # prompt_lengths.PromptReport.as_dict(), for run.json
+    prompts: dict | None  # prompt_lengths.PromptReport as a dict, for run.json
 
 
 def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
     problems: list[str] = []
-    needs = {name: rewards.required_columns(name) for name in cfg.reward.weights if name in rewards.REGISTRY}
+    needs = rewards.columns_needed(cfg.reward.weights)
     dataset = report = None
     derived: dict = {}
     try:
@@ -39,13 +38,13 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
         problems += _too_few_prompts(cfg, len(dataset), args)
     if problems:
         raise config.ConfigError(problems)
-    prompts = {**report.as_dict(), **({"derived": derived} if derived else {})} if report else None
+    prompts = {**dataclasses.asdict(report), **({"derived": derived} if derived else {})} if report else None
     return Prepared(args, dataset, prompts)
 
 
 def _fit_prompts(cfg: DictConfig, dataset, derived: dict):
-    """Measure (and drop or truncate) the prompts; set `derived["vllm_max_model_length"]` when the config leaves it
-    unset: the longest prompt kept plus max_completion_length, within the model's context."""
+    """Measure (and drop or truncate) the prompts; where unset, derive vllm_max_model_length: the longest prompt kept
+    plus max_completion_length, within the model's context."""
     from transformers import AutoTokenizer
 
     try:
@@ -76,8 +75,7 @@ def _fit_prompts(cfg: DictConfig, dataset, derived: dict):
 
 
 def _too_few_prompts(cfg: DictConfig, rows: int, args) -> list[str]:
-    """TRL's sampler draws each generation batch's distinct prompts from the dataset and drops an incomplete batch:
-    fewer rows than one batch trains no step at all."""
+    """TRL's sampler drops an incomplete generation batch: fewer distinct prompts than one batch train no step."""
     needed = args.generation_batch_size // args.num_generations
     if rows >= needed:
         return []

@@ -1,10 +1,10 @@
 """Every prompt measured in the model's tokens (chat template included) against the length it may have, before the
-model or the engine loads: a prompt over it would otherwise fail inside vLLM at the first step. Over-long prompts
-fail the run, are dropped or are truncated (their start cut, the end kept), as `data.overlong_prompts` says."""
+model loads (vLLM would fail at the first step). Over-long prompts fail the run, are dropped or are truncated (their
+start cut), as `data.overlong_prompts` says."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -19,9 +19,6 @@ class PromptReport:
     policy: str
     dropped: int = 0
     truncated: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def prompt_limit(max_prompt_tokens, engine_length, completion: int, context) -> tuple[int | None, str]:
@@ -46,8 +43,8 @@ def measure(dataset, tokenizer):
 
 
 def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
-    """(dataset whose prompts fit in `limit` tokens, PromptReport, problems): with policy `fail`, one problem that
-    names the keys to change when a prompt is too long; `drop` and `truncate` fix the data instead."""
+    """(dataset whose prompts fit in `limit` tokens, PromptReport, problems): `fail` reports a prompt too long, naming
+    the keys to change; `drop` and `truncate` fix the data instead."""
     measured = measure(dataset, tokenizer)
     lengths = measured["_prompt_tokens"]
     longest = max(lengths, default=0)

@@ -1,15 +1,10 @@
-"""Reward functions and their registry.
+"""Reward functions and their registry. A reward is a pure function `f(completions: list[str], **columns) ->
+list[float | None]`: one score per completion, `None` where it does not apply (TRL then ignores it). `columns` are
+the dataset's columns (e.g. `answer`) and TRL's extras (`completion_ids`, ...).
 
-A reward is a pure function `f(completions: list[str], **columns) -> list[float | None]`: one score per
-completion, `None` where it does not apply (TRL then ignores it). `columns` are the dataset's columns (e.g.
-`answer`) and TRL's extras (`completion_ids`, ...). Math answers are checked with math-verify.
-
-Rewards of your own: decorate them with `@register` in a module of yours and name it in `reward.modules`
-(`reward.modules=[my_rewards]`, importable from PYTHONPATH); they can then be used in `reward.weights`, and their
-keyword parameters with defaults set in `reward.params.<name>` (see examples/my_rewards.py). Parameters without a
-default are dataset columns, which the checks before a run require the dataset to have.
-A NaN or infinite score stops the run, naming the function and the sample (`run.stop_on_nonfinite`); return
-None, not NaN, where a reward does not apply.
+Rewards of your own: `@register` them in a module named in `reward.modules` (importable from PYTHONPATH; see
+examples/my_rewards.py); their keyword parameters with defaults are set in `reward.params.<name>`, those without
+are dataset columns. A NaN or infinite score stops the run (`run.stop_on_nonfinite`): return None, not NaN.
 """
 
 from __future__ import annotations
@@ -92,26 +87,28 @@ def length_chars(completions: list[str], target: int = 20, **_) -> list[float]:
 TRL_EXTRAS = ("prompts", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
+def _named(params) -> list[inspect.Parameter]:
+    """The parameters a caller can pass by name, other than TRL's extras."""
+    return [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in TRL_EXTRAS]
+
+
 def parameters(name: str) -> dict[str, inspect.Parameter]:
     """The settable parameters of a registered reward: keyword parameters with a default, other than TRL's extras."""
     return {
-        p.name: p
-        for p in inspect.signature(REGISTRY[name]).parameters.values()
-        if p.default is not inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and p.name not in TRL_EXTRAS
+        p.name: p for p in _named(inspect.signature(REGISTRY[name]).parameters.values()) if p.default is not p.empty
     }
 
 
 def required_columns(name: str) -> list[str]:
     """The dataset columns a registered reward needs: its parameters without a default, after `completions`."""
     return [
-        p.name
-        for p in list(inspect.signature(REGISTRY[name]).parameters.values())[1:]
-        if p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and p.name not in TRL_EXTRAS
+        p.name for p in _named(list(inspect.signature(REGISTRY[name]).parameters.values())[1:]) if p.default is p.empty
     ]
+
+
+def columns_needed(names) -> dict[str, list[str]]:
+    """Reward name -> the dataset columns it needs, for the registered ones among `names`."""
+    return {name: required_columns(name) for name in names if name in REGISTRY}
 
 
 def problems(weights: dict, params: dict) -> list[str]:
@@ -181,8 +178,8 @@ def completion_text(completion) -> str:
 
 
 def for_trl(name: str, params: dict | None = None, check_finite: bool = True) -> RewardFn:
-    """Adapt a registered reward to TRL's calling convention, naming the function if it raises (the sample too where
-    that is known without calling it again), and, with `check_finite`, the sample it returned NaN or inf for."""
+    """A registered reward in TRL's calling convention, naming the function (and sample) if it raises and, with
+    `check_finite`, the sample it returned NaN or inf for."""
     fn = REGISTRY[name]
     params = dict(params or {})
 
@@ -207,9 +204,8 @@ def for_trl(name: str, params: dict | None = None, check_finite: bool = True) ->
 
 
 def _raised(name: str, exc: Exception, texts: list[str], columns: dict) -> RewardError:
-    """The error for a reward that raised on a batch. Which sample it failed on is known only for a batch of one:
-    finding it otherwise means calling the reward again (a judge model, a sandbox: calls with side effects), and
-    guessing from its frames can be wrong. The batch's samples go with the error, into the log file's traceback."""
+    """The error for a reward that raised on a batch; the failing sample is known only for a batch of one (calling the
+    reward again could have side effects). The batch's samples go with the error, into the log file's traceback."""
     said = f"reward '{name}' raised {type(exc).__name__}: {exc}"
     if len(texts) == 1:
         return RewardError(f"{said} on {_sample(texts, columns, 0)}")

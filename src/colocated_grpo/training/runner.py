@@ -31,7 +31,7 @@ from colocated_grpo.run_files import STEP_KEY, JsonlWriter
 from colocated_grpo.telemetry import step_line
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
-from colocated_grpo.training import adapters, config, models, preflight, rewards, wandb_logging
+from colocated_grpo.training import config, models, preflight, rewards, wandb_logging
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
             reward_funcs=reward_funcs,
             args=args,
             train_dataset=prepared.dataset,
-            peft_config=adapters.peft_config(cfg),  # the peft group: LoRA adapters, or None
+            peft_config=config.peft_config(cfg),  # the peft group: LoRA adapters, or None
         )
     except Exception as exc:
         if (explained := startup_errors.explain_startup_error(exc, cfg)) is None:

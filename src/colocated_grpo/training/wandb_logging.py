@@ -1,9 +1,6 @@
 """Weights & Biases on rank 0: offline unless WANDB_MODE says otherwise, files inside the run directory, the same
-W&B run continued when a run is resumed.
-
-Online without credentials is refused before anything loads; online with a server that does not answer within
-`logger.init_timeout_s` falls back to offline (the run keeps everything for `wandb sync`). run.json's `wandb` says
-which mode was asked for and which one the run logs in."""
+W&B run continued on resume. Online without credentials is refused before anything loads; a server that does not
+answer within `logger.init_timeout_s` means offline instead (run.json's `wandb` says which mode was asked and used)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from colocated_grpo.compat import wandb_auth
+from colocated_grpo.compat.wandb import missing_credentials
+from colocated_grpo.compat.wandb import server as wandb_server
 from colocated_grpo.resilience import wandb_rewind
 from colocated_grpo.resilience.checkpoints import Resume
 from colocated_grpo.resilience.redaction import redact
@@ -37,8 +35,7 @@ def refuse_online_without_credentials(cfg: DictConfig) -> None:
     """Every rank, with the config checks: W&B online with no API key stops the run before anything loads."""
     if cfg.logger.backend != "wandb" or asked_mode() not in ONLINE:
         return
-    # Refused, not taken offline: asking for online without a key is a mistake best heard at once, not after training.
-    if (problem := wandb_auth.missing_credentials()) is not None:
+    if (problem := missing_credentials()) is not None:
         raise WandbError(
             f"W&B online needs an API key ({problem}): `wandb login` or WANDB_API_KEY; "
             "or use WANDB_MODE=offline, then `wandb sync`"
@@ -46,12 +43,8 @@ def refuse_online_without_credentials(cfg: DictConfig) -> None:
 
 
 def start(cfg: DictConfig, run_dir: Path, metadata: dict, resume: Resume):
-    """Start the W&B run (rank 0 only) that TRL's reporting will then use: (run, what run.json records as `wandb`),
-    or (None, None) when W&B is off.
-
-    When resuming, the W&B run of the earlier attempts is continued (resume="allow") rather than started anew, with
-    no step missing up to the checkpoint.
-    """
+    """Start the W&B run (rank 0) that TRL then reports to: (run, run.json's `wandb`), or (None, None) when off.
+    A resumed run continues the earlier attempts' W&B run, with every step up to the checkpoint."""
     if cfg.logger.backend != "wandb":
         return None, None
     run, outcome = _init(cfg, run_dir, metadata, resume.wandb_id)
@@ -79,41 +72,29 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
     )
     started = time.monotonic()
     try:
-        # quiet: no run history and summary block at the end (our own summary follows, with the `wandb sync` line)
+        # quiet: no history block at the end (our own summary follows)
         run = wandb.init(**kwargs, settings=wandb.Settings(init_timeout=timeout, quiet=True))
         return run, {"asked": asked, "mode": asked}
     except wandb.errors.CommError as err:
         if asked not in ONLINE:
             raise
-        waited, reason = time.monotonic() - started, _first_line(err)
-        # W&B retries an unreachable server until init_timeout; an answer it does not retry (401: a rejected key) is
-        # the user's to fix, and refused like a missing key
+        waited, reason = time.monotonic() - started, (str(err).splitlines() or [type(err).__name__])[0]
+        # W&B retries an unreachable server until init_timeout; an answer it does not retry (401) is refused
         if not (waited >= timeout or reason.startswith("Timed out")):
             raise WandbError(
-                f"W&B online: {wandb_auth.server()} refused the run ({reason}); check WANDB_API_KEY or `wandb login`, "
+                f"W&B online: {wandb_server()} refused the run ({reason}); check WANDB_API_KEY or `wandb login`, "
                 "or use WANDB_MODE=offline, then `wandb sync`"
             ) from err
-    # Taken offline, not failed: a network outage should not cost the run; `wandb sync` uploads it later.
-    run = _offline_instead(wandb, kwargs)
+    # A new offline run (the failed one's id stays taken here; a resumed run backfills it), silent: the warning says it
+    run = wandb.init(**{**kwargs, "id": None, "resume": None}, mode="offline", settings=wandb.Settings(silent=True))
     log.warning(
         "W&B: no answer from %s within %.0f s (%s); logging offline instead, upload later with: wandb sync %s",
-        wandb_auth.server(),
+        wandb_server(),
         waited,
         reason,
         Path(run.dir).parent,
     )
     return run, {"asked": asked, "mode": "offline", "reason": reason, "waited_s": round(waited, 1)}
-
-
-def _offline_instead(wandb, kwargs: dict):
-    """A new offline W&B run: the failed one's id stays taken in this process. A resumed run then logs the steps up
-    to its checkpoint from metrics.jsonl into it (start's backfill), as when its earlier W&B run cannot be continued.
-    Silent: the warning that follows says what W&B's offline banner would."""
-    return wandb.init(**{**kwargs, "id": None, "resume": None}, mode="offline", settings=wandb.Settings(silent=True))
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def finish(run, exit_code: int) -> None:
