@@ -3,6 +3,7 @@ optional packages are installed."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -22,8 +23,7 @@ NOTEBOOKS = ("matplotlib", "jupytext", "nbclient", "nbformat", "ipykernel")
 
 def checkout() -> Path:
     """The checkout whose train.py and conf/ the tools run: $COLOCATED_GRPO_CHECKOUT, else the one this package is
-    in (a source tree or an editable install), else the current directory. Refuses, saying how, when none holds them
-    (a package installed from a wheel carries neither)."""
+    in, else the current directory; refuses, saying how, when none holds them (a wheel carries neither)."""
     candidates = [os.environ.get(CHECKOUT_VARIABLE), REPO, Path.cwd()]
     for path in (Path(c).expanduser().resolve() for c in candidates if c):
         if (path / "train.py").is_file() and (path / "conf" / "train.yaml").is_file():
@@ -64,10 +64,8 @@ PACKAGES = (
 def package_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
     return versions
 
 
@@ -77,9 +75,8 @@ _SHA = re.compile(r"[0-9a-fA-F]{7,40}")
 
 
 def git_state(repo_dir: str | Path = REPO) -> dict[str, str | bool | None]:
-    """The checkout's commit and whether it has changes. $COLOCATED_GRPO_GIT_SHA, when set, names the commit instead
-    (`source` says so): a copied tree has no .git, or only that of the commit the copy was based on (then kept as
-    `checkout_sha`, and `dirty` is unknown)."""
+    """The checkout's commit and whether it has changes; $COLOCATED_GRPO_GIT_SHA, when set, names the commit of a
+    copied tree instead (`source` says so; a different .git commit is kept as `checkout_sha`, `dirty` unknown)."""
     found = _checkout_git_state(repo_dir)
     given = os.environ.get(GIT_SHA_VARIABLE, "").strip()
     if not given:

@@ -60,9 +60,8 @@ class JsonlWriter:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write atomically and durably: a temp file beside it, fsynced, renamed over it. A reader (or a resume after a
-    crash or power loss) sees the old file or the new one, never half of one; a failed write (a full disk) leaves
-    the old file and no temp file."""
+    """Write atomically and durably (a temp file beside it, fsynced, renamed over it): a reader sees the old file or
+    the new one, never half of one; a failed write leaves the old file and no temp file."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -89,8 +88,7 @@ def read_json(path: str | Path) -> dict | None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """All complete lines of a JSONL file (a torn last line from a killed writer is skipped); [] when there is no
-    such file yet (a run that logged nothing)."""
+    """All complete lines of a JSONL file (a torn last line is skipped); [] when there is no such file yet."""
     if not Path(path).exists():
         return []
     records = []
@@ -116,8 +114,7 @@ def flatten(tree: dict, sep: str = ".", prefix: str = "") -> dict:
 
 
 def log_to_files(logger: logging.Logger, level: int, message: str, exc_info=None) -> None:
-    """A log record for the run's log files only (the root logger's file handlers: Hydra's train.log), not for the
-    console."""
+    """A log record for the run's log files only (Hydra's train.log), not for the console."""
     record = logger.makeRecord(logger.name, level, __file__, 0, message, (), exc_info)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):

@@ -1,14 +1,13 @@
 """What we use of Hydra beyond its public API: the running job's overrides and output directory (HydraConfig), and
-the job-directory name Hydra derives from overrides (`hydra._internal`), which the sweep launchers reuse so that
-their job directories are named exactly as Hydra's own launcher names them."""
+the job-directory name Hydra derives from overrides (`hydra._internal`), which the sweep launchers reuse."""
 
 from __future__ import annotations
+
+from hydra.core.hydra_config import HydraConfig
 
 
 def task_overrides() -> list[str] | None:
     """The command-line overrides of this job (None outside Hydra)."""
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         return list(HydraConfig.get().overrides.task)
     except ValueError:
@@ -17,15 +16,12 @@ def task_overrides() -> list[str] | None:
 
 def output_dir() -> str:
     """The running job's output directory (hydra.run.dir, or the sweep job's directory)."""
-    from hydra.core.hydra_config import HydraConfig
-
     return HydraConfig.get().runtime.output_dir
 
 
 def in_process_multirun_launcher() -> str | None:
     """The launcher's name (hydra/launcher) when this job runs inside a multirun's own process (Hydra's basic
-    launcher does that; the torchrun launchers start each job as a fresh `train.py` run instead); else None."""
-    from hydra.core.hydra_config import HydraConfig
+    launcher), else None."""
     from hydra.types import RunMode
 
     config = HydraConfig.get()

@@ -94,13 +94,9 @@ def kv_cache_tokens(trainer) -> int | None:
 
 
 def reseed_generation(trainer, seed: int) -> None:
-    """Make the seed reach vLLM's sampling (trl#7040).
-
-    TRL builds the colocated engine with seed = rank // tp, and vLLM's start-up reseeds torch's global RNG with
-    it; its sampler then draws from that RNG, so every `seed` gave the same rollouts. Reseeding after the engine
-    exists restores the dependence on `seed`. Ranks of one TP group must sample identically, so they share a seed;
-    different data-parallel groups get different ones.
-    """
+    """Make the seed reach vLLM's sampling (trl#7040): TRL seeds the colocated engine with rank // tp, which reseeds
+    torch's global RNG, so every `seed` gave the same rollouts. Reseeded here after the engine exists, one seed per
+    data-parallel group (the ranks of one TP group must sample identically)."""
     import numpy as np
     from transformers import set_seed
 
@@ -113,9 +109,7 @@ def reseed_generation(trainer, seed: int) -> None:
 
 def generation_batch_size(trainer: dict, world: int) -> int:
     """What TRL generates per optimiser round on `world` processes: GRPOConfig.__post_init__'s arithmetic on
-    `trainer.*`. A run reads its GRPOConfig's own numbers; this mirror is for a world other than this process's (a
-    GRPOConfig takes its world from the running process, and sweep jobs are checked before their torchrun starts)
-    and for a finished run's config.yaml."""
+    `trainer.*`, for a world other than this process's (sweep jobs checked before their torchrun, finished runs)."""
     if trainer.get("generation_batch_size"):
         return int(trainer["generation_batch_size"])
     steps = trainer.get("steps_per_generation") or trainer.get("gradient_accumulation_steps", 1)
@@ -136,8 +130,7 @@ def _trl_parser():
 
 def read_flat_logprobs(outputs):
     """extract_logprobs' result, read straight from vLLM's FlatLogprobs where each position holds one entry (TRL's
-    logprobs=0 with flat_logprobs=True); anything else goes to TRL's parser. TRL's parser iterates a FlatLogprobs
-    position by position, which rebuilds the per-token dict and Logprob objects that flat log-probs avoided."""
+    logprobs=0 with flat_logprobs=True), without rebuilding per-token dicts; anything else goes to TRL's parser."""
     try:
         from vllm.logprobs import FlatLogprobs
     except ImportError:  # a vLLM before flat log-probs
@@ -172,11 +165,9 @@ def install_flat_logprob_reader() -> None:
 
 # ----------------------------------------------------------------------------------------- colocated weight sync
 #
-# TRL's VLLMGeneration.sync_weights (trl/generation/vllm_generation.py, `sync_weights`) calls the engine model's
-# `load_weights([(name, tensor)])` once per tensor. Each call re-enters vLLM's loader from the top: the model's
-# `load_weights` builds an AutoWeightsLoader that walks every module (tied embeddings, weight mappers), then descends
-# to the one tensor's layer: Python work of order tensors × modules per sync. The same tensors in one call (or a few,
-# under a memory budget where they are gathered) land the same weights for a fraction of the time.
+# TRL's VLLMGeneration.sync_weights calls the engine model's `load_weights([(name, tensor)])` once per tensor, and
+# each call walks every module of the model: tensors × modules of Python work per sync. The same tensors in one call
+# (or a few, where FSDP2 gathers them) land the same weights in a fraction of the time.
 
 
 def _engine_model(generation):
@@ -186,9 +177,8 @@ def _engine_model(generation):
 
 def fast_sync_plan(generation) -> str | None:
     """How the colocated weight sync can be batched: "one_call" (DDP, one process), "chunked" (FSDP2: full tensors
-    gathered one by one, loaded in chunks), or None to keep TRL's own sync: server mode, DeepSpeed ZeRO-3 and FSDP1
-    (TRL yields views valid only inside a gather that closes as its generator advances) and PEFT (TRL unmerges the
-    adapters when its generator ends, before a batched call would read the merged weights)."""
+    gathered one by one, loaded in chunks), or None to keep TRL's own sync: server mode, ZeRO-3 and FSDP1 (views valid
+    only inside a gather) and PEFT (adapters unmerged before a batched call would read the merged weights)."""
     from accelerate.utils import is_peft_model
 
     if getattr(generation, "mode", None) != "colocate" or not hasattr(generation, "_iter_named_params"):

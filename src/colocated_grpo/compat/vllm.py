@@ -1,27 +1,17 @@
 """What we know of vLLM's internals: the CPU engine's patches (below), and the text of its start-up memory errors
-(`memory_failure`), which vLLM raises as plain RuntimeErrors.
+(`memory_failure`), which vLLM raises as plain RuntimeErrors. CUDA builds of vLLM are untouched.
 
-`prepare_cpu` makes TRL's in-place weight sync reach vLLM's CPU engine.
+`prepare_cpu`, first: vLLM's CPU engine repacks every linear weight for oneDNN and drops the parameter, so TRL's
+in-place weight sync fails ("'Parameter' object has no attribute 'weight_loader'") or would not be seen; plain
+`torch.nn.functional.linear` on the live parameter makes every sync visible to the next generation.
 
-On CPU, vLLM repacks every linear layer's weight for oneDNN after loading and drops the original parameter
-(`dispatch_cpu_unquantized_gemm(remove_weight=True)`). TRL's colocated weight sync then fails
-("'Parameter' object has no attribute 'weight_loader'"), and even where it does not fail the packed copy would
-keep serving the old weights. Keeping plain `torch.nn.functional.linear` on the live parameter makes every sync
-visible to the next generation.
+Second, under torchrun every CPU engine names its tensor-parallel shared-memory segments (/dev/shm) after "env://",
+so two TP runs on one machine collide ("create shm in SHMManager failed. errno: 17"): the name here holds the
+rendezvous port and the torchrun agent's pid. A run ends without vLLM's teardown, so each rank unlinks its segment
+once every rank has mapped every segment: nothing is left in /dev/shm.
 
-Second, under torchrun (`external_launcher`) every CPU engine names its tensor-parallel shared-memory segments
-(/dev/shm, one per rank) after "env://", so two TP runs on one machine collide ("create shm in SHMManager failed.
-errno: 17"). The name here holds the rendezvous port and the torchrun agent's pid (the ranks' parent), unique per
-launch. And since a run ends without vLLM's teardown (os._exit, or SIGKILL), each rank removes its segment's name
-as soon as every rank has mapped every segment: the memory stays mapped while the engine lives, and nothing is
-left in /dev/shm after it (a port reused by a later run found a stale segment and failed the same way).
-
-Third, `run_eagerly` (placement.cpu_eager): the CPU engine without torch.compile. vLLM would otherwise compile the
-model (inductor's C++) at every engine start, and two sampler helpers it wraps in torch.compile at import (the
-log-prob rank count and the random sample) at the first generate: `python train.py` takes 13-15 s eagerly, 22-26 s
-compiled with vLLM's compile cache warm and 40 s with it cold (docs/running.md).
-
-CUDA builds of vLLM are untouched.
+Third, `run_eagerly` (placement.cpu_eager): the CPU engine without torch.compile, which vLLM would otherwise run on
+the model at every engine start and on two sampler helpers at the first generate (docs/running.md has the timings).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ def renamed(override: str) -> str | None:
 
 
 def refuse_renamed_groups(argv: list[str]) -> None:
-    """Before Hydra parses `argv`: end the process in one line (once per launch under torchrun) when an override
-    names a renamed group, instead of Hydra's "Could not override" error."""
+    """Before Hydra parses `argv`: end the process in one line (once per launch) when an override names a renamed
+    group, instead of Hydra's "Could not override" error."""
     for override in argv:
         if message := renamed(override):
             process_end.report_failure(RenamedGroup(message), explained=True)

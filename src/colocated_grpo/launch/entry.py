@@ -1,8 +1,6 @@
-"""What `train.py` runs: the one choice made above the training runner. A server placement's first process only
-orchestrates (a vLLM server and a torchrun trainer, launch/server_placement.py); every other process trains.
-
-A failure ends the process here, reported once per launch (resilience/process_end.py): errors that explain themselves
-as one message, anything else with its traceback."""
+"""What `train.py` runs: a server placement's first process orchestrates (launch/server_placement.py), every other
+process trains. A failure ends the process here, reported once per launch: errors that explain themselves as one
+message, anything else with its traceback."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ from colocated_grpo.training.data import DataError
 from colocated_grpo.training.rewards import RewardError
 from colocated_grpo.training.wandb_logging import WandbError
 
-# Their message says what failed and what to change; a traceback would only push it off the screen. A reward's own
-# traceback (the cause of a RewardError) is shown: it points into the user's code.
+# Errors whose message says what to change: no traceback (but a reward's own, the cause of a RewardError, is shown).
 EXPLAINED = (
     ConfigError,
     DataError,
@@ -63,9 +60,7 @@ def main(cfg: DictConfig) -> None:
             server_placement.run_placement(cfg, run_dir)
         else:
             runner.run(cfg)
-            # A finished run ends its process at once: its files, W&B and process group are closed by then, and the
-            # interpreter's own teardown can still abort it on native threads left by vLLM and the collectives
-            # ("terminate called without an active exception", exit -6), which a sweep would record as failed.
+            # Ends at once: the interpreter's teardown can abort on vLLM's native threads (exit -6, "terminate called")
             process_end.exit_now(0)
     except TrainingInterrupted as stopped:  # already said, with the command that resumes it
         process_end.exit_now(stopped.code)

@@ -23,11 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(("127.0.0.1", port))
         except OSError:
             return True
     return False
@@ -50,8 +50,7 @@ def torchrun_command(
     master_addr: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """`torchrun` (as `python -m torch.distributed.run`, this interpreter) of `script args…` on `nproc` processes
-    per node; a free rendezvous port unless `master_port` is given."""
+    """`python -m torch.distributed.run` of `script args…` on `nproc` processes per node; a free port by default."""
     port = free_port() if master_port is None else master_port
     return [
         sys.executable,
@@ -100,8 +99,8 @@ def run(
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 20.0, first_signal: int = signal.SIGTERM) -> int:
-    """`first_signal` to the child's process group, SIGTERM after `grace_s` (when the first was another signal),
-    then SIGKILL to the group and to every process that descended from it, even one that left the group."""
+    """`first_signal` to the child's process group, SIGTERM after `grace_s` (when the first was another), then
+    SIGKILL to the group and to every descendant, even one that left the group."""
     import psutil
 
     def descendants():
@@ -129,8 +128,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0, first_signal: int = sign
 
 
 def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when this process dies, even by SIGKILL; torchrun and vLLM then
-    stop their own workers. Without it a killed sweep or launcher would orphan its children."""
+    """In the child before exec (Linux): SIGTERM when this process dies, even by SIGKILL, so nothing is orphaned."""
     if sys.platform.startswith("linux"):
         import ctypes
 

@@ -1,9 +1,6 @@
-"""Progress of work made of jobs run one after another (a sweep, a study): job k/N, the running job's training step
-(read from its metrics.jsonl), the time elapsed and an estimate of the time left.
-
-On a terminal it is a rich progress bar, with log lines printed above it. Elsewhere (CI logs, a file) it prints
-plain lines, no control characters: one when a job starts and one with the step every `every_s` seconds.
-"""
+"""Progress of jobs run one after another (a sweep, a study): job k/N, the running job's step (from its
+metrics.jsonl), the time elapsed and left. On a terminal a rich progress bar with log lines above it; elsewhere plain
+lines: one when a job starts and one with the step every `every_s` seconds."""
 
 from __future__ import annotations
 
@@ -19,18 +16,12 @@ from pathlib import Path
 import yaml
 
 from colocated_grpo import run_files
+from colocated_grpo.launch.processes import tail
 
 
 def latest_step(metrics: Path) -> int | None:
     """The last training step a metrics.jsonl records (its tail is enough: one line per step)."""
-    try:
-        with open(metrics, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 16384))
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
+    for line in reversed(tail(metrics, lines=60)):
         try:
             step = json.loads(line).get(run_files.STEP_KEY)
         except (ValueError, AttributeError):
@@ -140,8 +131,7 @@ class Progress:
         return f"step {step}/{steps}" if steps else f"step {step}"
 
     def remaining_s(self) -> float | None:
-        """Time left: the running job's (from its step rate, else the mean job so far) plus the mean job for each
-        job after it; None until there is something to measure."""
+        """The running job's time left (from its step rate, else the mean job) plus the mean job for each after it."""
         running = self._job_t0 is not None
         elapsed = time.monotonic() - self._job_t0 if running else 0.0
         per_job = sum(self.durations) / len(self.durations) if self.durations else None
@@ -169,8 +159,8 @@ class Progress:
 
 @contextlib.contextmanager
 def _logs_to_current_streams() -> Iterator[None]:
-    """Logging handlers keep the stream they were made with; while the bar is shown, those writing to the terminal
-    write through rich's redirected stdout/stderr instead, so that their lines go above the bar, not into it."""
+    """While the bar is shown, logging handlers of the terminal write through rich's redirected stdout/stderr, so
+    that their lines go above the bar, not into it."""
     swapped = []
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):

@@ -1,10 +1,8 @@
 """Server placement: `trl vllm-serve` on the last K GPUs of the node, torchrun training on the others.
 
-`python train.py placement=server` is the whole command: this process plans the GPUs and ports, starts the server,
-waits until it is healthy, runs `torchrun` for the trainer (vllm_mode="server", pointed at the server) and stops
-the server at the end, on failure and on Ctrl-C. Both children run in their own process groups, so nothing is
-left behind. The trainer's rank 0 also samples the server's GPUs (their UUIDs travel in SERVER_GPUS_ENV).
-"""
+`python train.py placement=server` plans the GPUs and ports, starts the server, waits until it is healthy, runs the
+trainer's torchrun against it and stops the server at the end, on failure and on Ctrl-C (each child in its own
+process group). The trainer's rank 0 also samples the server's GPUs (their UUIDs in SERVER_GPUS_ENV)."""
 
 from __future__ import annotations
 
@@ -101,42 +99,30 @@ def plan(cfg: DictConfig, gpus: list[str]) -> ServerPlan:
 
 
 def server_command(cfg: DictConfig, model_path: str, plan_: ServerPlan) -> list[str]:
-    p, t = cfg.placement, cfg.trainer
-    tp = int(p.server_tensor_parallel_size)
-    cmd = [
-        sys.executable,
-        "-m",
-        "trl.cli.main",
-        "vllm-serve",
-        "--model",
-        model_path,
-        "--tensor_parallel_size",
-        str(tp),
-        "--data_parallel_size",
-        str(len(plan_.server_gpus) // tp),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(plan_.port),
-        "--gpu_memory_utilization",
-        str(p.gpu_memory_utilization),
-        "--dtype",
-        str(cfg.model.get("dtype", "auto")),
-    ]
-    if t.get("vllm_max_model_length"):
-        cmd += ["--max_model_len", str(t.vllm_max_model_length)]
+    """`trl vllm-serve` on the plan's port: server_gpus / tp data-parallel engines of tp GPUs each."""
+    tp = int(cfg.placement.server_tensor_parallel_size)
+    args = {
+        "--model": model_path,
+        "--tensor_parallel_size": tp,
+        "--data_parallel_size": len(plan_.server_gpus) // tp,
+        "--host": "127.0.0.1",
+        "--port": plan_.port,
+        "--gpu_memory_utilization": cfg.placement.gpu_memory_utilization,
+        "--dtype": cfg.model.get("dtype", "auto"),
+    }
+    cmd = [sys.executable, "-m", "trl.cli.main", "vllm-serve", *(str(x) for pair in args.items() for x in pair)]
+    if max_len := cfg.trainer.get("vllm_max_model_length"):
+        cmd += ["--max_model_len", str(max_len)]
     return cmd
 
 
 def wait_until_healthy(url: str, proc, timeout_s: float, log_path: Path) -> float:
     """Poll `url` until it answers 200; ServerError naming the cause when the server dies or time runs out."""
     start = time.monotonic()
+    last_lines = lambda: f"; last lines of {log_path}:\n" + "\n".join(processes.tail(log_path))
     while True:
         if proc.poll() is not None:
-            raise ServerError(
-                f"the vLLM server exited with code {proc.returncode} before it was healthy; "
-                f"last lines of {log_path}:\n" + "\n".join(processes.tail(log_path))
-            )
+            raise ServerError(f"the vLLM server exited with code {proc.returncode} before it was healthy{last_lines()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -145,13 +131,13 @@ def wait_until_healthy(url: str, proc, timeout_s: float, log_path: Path) -> floa
             pass
         if time.monotonic() - start > timeout_s:
             raise ServerError(
-                f"the vLLM server at {url} was not healthy after {timeout_s:.0f}s (placement.health_timeout_s); "
-                f"last lines of {log_path}:\n" + "\n".join(processes.tail(log_path))
+                f"the vLLM server at {url} was not healthy after {timeout_s:.0f}s (placement.health_timeout_s)"
+                + last_lines()
             )
         time.sleep(1.0)
 
 
-def trainer_overrides(cfg: DictConfig, plan_: ServerPlan, user_overrides: list[str], run_dir: Path) -> list[str]:
+def trainer_overrides(plan_: ServerPlan, user_overrides: list[str], run_dir: Path) -> list[str]:
     return [
         *user_overrides,
         f"hydra.run.dir={run_dir}",
@@ -198,19 +184,12 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
             ROLE_ENV: "trainer",
             SERVER_GPUS_ENV: ",".join(plan_.server_gpus),
         }
-        code = processes.run(
-            processes.train_command(plan_.nproc, trainer_overrides(cfg, plan_, user_overrides, run_dir)),
-            run_dir / run_files.TRAINER_LOG,
-            env=trainer_env,
-            grace_s=20.0,
-        )
+        trainer_log = run_dir / run_files.TRAINER_LOG
+        command = processes.train_command(plan_.nproc, trainer_overrides(plan_, user_overrides, run_dir))
+        code = processes.run(command, trainer_log, env=trainer_env, grace_s=20.0)
         if code != 0:
-            log.error(
-                "trainer exited with code %s; last lines of %s:\n%s",
-                code,
-                run_dir / run_files.TRAINER_LOG,
-                "\n".join(processes.tail(run_dir / run_files.TRAINER_LOG)),
-            )
+            last_lines = "\n".join(processes.tail(trainer_log))
+            log.error("trainer exited with code %s; last lines of %s:\n%s", code, trainer_log, last_lines)
         return code
     finally:
         processes.stop(server)

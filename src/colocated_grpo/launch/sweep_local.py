@@ -1,12 +1,7 @@
-"""The local sweep launcher: every job is a fresh `torchrun` (or, for server placement, one `python train.py` that
-starts its server and its own torchrun), one after another on this machine.
-
-`python -m torch.distributed.run --nproc_per_node=N … train.py hydra.run.dir=JOB_DIR OVERRIDES…`, with N = the
-job's `parallelism.nproc_per_node`, stdout and stderr in JOB_DIR/job.log. A failed job is recorded (exit code, last
-log lines) and the sweep goes on; Ctrl-C stops the running job and its processes, and the sweep. While it runs:
-job k/N, the running job's step, time elapsed and left (launch/progress.py). At the end: SWEEP_DIR/summary.csv and
-a table, one row per job (analysis/tables.py).
-"""
+"""The local sweep launcher: every job is a fresh `torchrun --nproc_per_node=N train.py hydra.run.dir=JOB_DIR …`
+(or, for server placement, one `python train.py` that starts its server and torchrun), one after another, output in
+JOB_DIR/job.log. A failed job is recorded and the sweep goes on; Ctrl-C stops the running job and the sweep. While it
+runs: job k/N, step, time elapsed and left; at the end SWEEP_DIR/summary.csv and a table, one row per job."""
 
 from __future__ import annotations
 
@@ -17,7 +12,6 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -46,25 +40,10 @@ def server_command(job: Job, script: str) -> list[str]:
     return [sys.executable, script, f"hydra.run.dir={quote(job.dir)}", *job.overrides]
 
 
-def torchrun_command(
-    job: Job,
-    script: str,
-    master_port: int,
-    node_rank: int = 0,
-    master_addr: str = "127.0.0.1",
-    extra_args: Sequence[str] = (),
-) -> list[str]:
-    """The command that runs one job (on one node of it)."""
-    return processes.torchrun_command(
-        job.nproc_per_node,
-        [f"hydra.run.dir={quote(job.dir)}", *job.overrides],
-        script,
-        master_port,
-        nnodes=job.nnodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        extra_args=extra_args,
-    )
+def torchrun_command(job: Job, script: str, master_port: int, **node) -> list[str]:
+    """The command that runs one job (on one node of it: `node` holds node_rank, master_addr, extra_args)."""
+    args = [f"hydra.run.dir={quote(job.dir)}", *job.overrides]
+    return processes.torchrun_command(job.nproc_per_node, args, script, master_port, nnodes=job.nnodes, **node)
 
 
 def job_environment() -> dict[str, str]:
@@ -87,10 +66,7 @@ _TORCHRUN_SETS = {
 
 def execute(job: Job, command: list[str], log_path: Path, opts: Options, records: bool = True) -> dict:
     """Run one job's command to the end, its output in log_path; record the outcome in job.json (when `records`).
-
-    On KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one) the job's processes are stopped and the job is
-    recorded as interrupted before the interrupt goes on.
-    """
+    On KeyboardInterrupt (Ctrl-C, or SIGTERM) the job's processes are stopped and the job recorded as interrupted."""
     started, t0 = now(), time.monotonic()
     job.status = "running"
     if records:

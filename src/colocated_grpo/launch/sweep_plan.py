@@ -1,10 +1,7 @@
-"""Sweep planning: before anything is launched, compose every job's config, name its directory, and check it with
-`config.validate` on the world size it would get; a job that cannot run on the GPUs at hand is skipped with the
-reason. The launchers (launch/sweep_local.py, launch/sweep_slurm.py) run what this plans.
-
-Every job directory holds job.json with the job's overrides, status (pending, running, finished, failed, skipped,
-interrupted, cancelled), exit code and log tail; the W&B runs of a sweep share one group (logger.group).
-"""
+"""Sweep planning: before anything is launched, compose every job's config, name its directory and validate it on
+the world size it would get; a job that cannot run on the GPUs at hand is skipped with the reason. Every job
+directory holds job.json: overrides, status (pending, running, finished, failed, skipped, interrupted, cancelled),
+exit code, log tail. A sweep's W&B runs share one group."""
 
 from __future__ import annotations
 
@@ -50,9 +47,8 @@ class Job:
     server: bool = False  # placement=server: the job is one `python train.py` that starts its server and torchrun
     status: str = "pending"
     reason: str | None = None  # why a job was skipped
-    placement: dict | None = (
-        None  # analysis.tables.PLACEMENT_KEYS as planned: what a job that never ran would have used
-    )
+    # analysis.tables.PLACEMENT_KEYS as planned: what a job that never ran would have used
+    placement: dict | None = None
 
     def record(self, **extra) -> dict:
         return {**dataclasses.asdict(self), **extra}
@@ -90,7 +86,7 @@ def plan(
                 job_cfg.hydra.job.id = str(num)
                 job_cfg.hydra.job.num = num
                 # The job directory (hydra.sweep.subdir) and with it the W&B run name say what differs between jobs.
-                job_cfg.hydra.job.override_dirname = _override_dirname(job_cfg, swept)
+                job_cfg.hydra.job.override_dirname = override_dirname(swept, job_cfg.hydra.job.config.override_dirname)
             hydra_cfg.set_config(job_cfg)
             subdir = str(OmegaConf.select(job_cfg, "hydra.sweep.subdir"))
             if OmegaConf.select(job_cfg, "logger.group") is None:
@@ -141,10 +137,6 @@ def sweep_keys(config: DictConfig) -> set[str]:
 def wandb_group(config: DictConfig) -> str:
     """The W&B group of a sweep's runs: the name of its directory (time and sweep name)."""
     return Path(str(config.hydra.sweep.dir)).name
-
-
-def _override_dirname(job_cfg: DictConfig, swept: list[str]) -> str:
-    return override_dirname(swept, job_cfg.hydra.job.config.override_dirname)
 
 
 def _key(override: str) -> str:

@@ -50,12 +50,9 @@ def launch_submitit(
     initial_job_idx: int,
     opts: Options,
 ):
-    """Submit every runnable job as one submitit job of `nodes` tasks (one per node, each starting torchrun with
-    the rendezvous taken from SLURM's environment); wait for them, then summarise.
-
-    `gpus_per_node` left unset means the job's parallelism.nproc_per_node. The local executor runs the jobs one
-    after another on this machine; SLURM runs them as an array.
-    """
+    """Submit every runnable job as one submitit job of `nodes` tasks (one torchrun per node); wait, then summarise.
+    `gpus_per_node` unset means the job's parallelism.nproc_per_node. SLURM runs the jobs as an array, the local
+    executor one after another."""
     opts = dataclasses.replace(opts, script=opts.script or default_script(task_function))
     params = dict(params)
     nnodes = int(params.get("nodes") or 1)
@@ -107,12 +104,8 @@ def _collect(job: Job, submission) -> None:
 
 
 def node_command(job: Job, opts: Options) -> tuple[list[str], Path]:
-    """The torchrun command of this node of a submitit job, and its log file.
-
-    The rendezvous comes from the scheduler's environment (SLURM_JOB_NODELIST, SLURM_NODEID, SLURM_JOB_NUM_NODES
-    through submitit.JobEnvironment): rank 0's node is the first host, the port is derived from the job id so that
-    every node agrees on it without talking (a free port when the job has one node).
-    """
+    """The torchrun command of this node of a submitit job, and its log file. The rendezvous comes from SLURM's
+    environment: rank 0's node is the first host, the port derives from the job id (a free port on one node)."""
     import submitit
 
     env = submitit.JobEnvironment()
