@@ -35,9 +35,7 @@ class ConfigError(ValueError):
 
 def world_size(cfg: DictConfig) -> int:
     """Processes in this job: torchrun's WORLD_SIZE when launched, else what the sweep launcher will start."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return int(OmegaConf.select(cfg, "parallelism.nproc_per_node", default=1))
+    return int(os.environ.get("WORLD_SIZE") or OmegaConf.select(cfg, "parallelism.nproc_per_node", default=1))
 
 
 def validate(cfg: DictConfig, world: int | None = None) -> None:
@@ -240,17 +238,15 @@ def _reward_problems(cfg: DictConfig) -> list[str]:
     weights = OmegaConf.to_container(OmegaConf.select(cfg, "reward.weights") or OmegaConf.create({}), resolve=True)
     params = OmegaConf.to_container(OmegaConf.select(cfg, "reward.params") or OmegaConf.create({}), resolve=True)
     problems += rewards.problems(weights, params)
-    needs = rewards.columns_needed(weights)
     if not _missing_keys(cfg.data):
-        problems += data.problems(cfg.data, needs)
+        problems += data.problems(cfg.data, rewards.columns_needed(weights))
     return problems
 
 
 def gpu_only_problems(cfg: DictConfig) -> list[str]:
     """What this config needs a GPU for; checked where the job runs (or, for a sweep, on the machine it runs on)."""
     problems = []
-    trainer = cfg.trainer
-    if trainer.get("use_vllm") and trainer.get("vllm_enable_sleep_mode"):
+    if cfg.trainer.get("use_vllm") and cfg.trainer.get("vllm_enable_sleep_mode"):
         problems.append(
             "trainer.vllm_enable_sleep_mode=true (placement=colocate_sleep) needs a GPU; vLLM on CPU has no sleep mode"
         )

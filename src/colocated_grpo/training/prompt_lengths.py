@@ -53,16 +53,13 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
     if not over:
         return dataset, report, []
     if policy == "fail":
-        return (
-            dataset,
-            report,
-            [
-                f"data: {len(over)} of {len(lengths)} prompts are longer than {limit} tokens ({limit_from}); the "
-                f"longest has {longest} (row {lengths.index(longest)}). Set data.overlong_prompts=truncate (keep each "
-                "prompt's end) or data.overlong_prompts=drop, or make room: raise trainer.vllm_max_model_length, "
-                "lower trainer.max_completion_length, or set data.max_prompt_tokens"
-            ],
+        problem = (
+            f"data: {len(over)} of {len(lengths)} prompts are longer than {limit} tokens ({limit_from}); the "
+            f"longest has {longest} (row {lengths.index(longest)}). Set data.overlong_prompts=truncate (keep each "
+            "prompt's end) or data.overlong_prompts=drop, or make room: raise trainer.vllm_max_model_length, "
+            "lower trainer.max_completion_length, or set data.max_prompt_tokens"
         )
+        return dataset, report, [problem]
     if policy == "drop":
         keep = sorted(set(range(len(lengths))) - set(over))
         report.dropped = len(over)

@@ -169,7 +169,8 @@ def _recorded(
         raise
     finally:
         process_end.begin()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
-        wandb_logging.finish(wandb_run, exit_code)
+        if wandb_run is not None:
+            wandb_run.finish(exit_code=exit_code)
         record.end(status, error)
         _close_process_group()
     if interrupted is not None:
@@ -281,12 +282,8 @@ def report_to(cfg: DictConfig) -> list[str]:
     return ["wandb"] if cfg.logger.backend == "wandb" and is_main_process() else []
 
 
-# The rendezvous of a plain `python train.py` (one process, no launcher): what torchrun would give it. The colocated
-# engine (and DeepSpeed) form a process group through `env://`, on MASTER_PORT. Left to TRL, a free port is looked
-# for among fixed ones (29500 first) and bound seconds later, when the engine starts: two runs started together pick
-# the same one and the second dies after loading its model (EADDRINUSE). Instead this process hosts the rendezvous
-# store itself, as torchrun's agent does, on a port the kernel picks and this process holds until it ends; `env://`
-# then connects to it (TORCHELASTIC_USE_AGENT_STORE). A MASTER_PORT given by the user is left alone.
+# The rendezvous of a plain `python train.py`: this process hosts the `env://` store itself, as torchrun's agent does,
+# on a port it holds until it ends (TRL's fixed-port pick let two runs started together collide on EADDRINUSE).
 RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
@@ -294,10 +291,8 @@ _held_stores = []  # the rendezvous store this process hosts, alive as long as t
 
 
 def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
-    """Set what a one-process run needs and returns what was set; processes a launcher started are left as they are.
-    Every such run gets MASTER_ADDR / MASTER_PORT of a store held here (unless MASTER_PORT is set); ZeRO-3 also gets
-    the variables `torchrun --nproc_per_node=1` sets (rank 0 of 1): without them DeepSpeed's init_distributed falls
-    back to MPI discovery and fails on `import mpi4py`."""
+    """Set (and return) what a one-process run needs: MASTER_ADDR / MASTER_PORT of a store held here (unless
+    MASTER_PORT is set) and, for ZeRO-3, rank 0 of 1 as torchrun sets it (else DeepSpeed looks for MPI)."""
     if "RANK" in os.environ:
         return {}
     values = {}
@@ -318,9 +313,8 @@ def _host_store(host: str) -> int:
 
 
 def launched_world_size(cfg: DictConfig) -> int:
-    """The processes this run really has (torchrun's WORLD_SIZE; a plain `python train.py` is one), which every check
-    and per-GPU number uses. parallelism.nproc_per_node only tells a launcher how many to start: a run started
-    otherwise says so when the two disagree."""
+    """The processes this run really has (torchrun's WORLD_SIZE, else one); warns when parallelism.nproc_per_node,
+    which only tells a launcher how many to start, disagrees."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     wanted = int(cfg.parallelism.nproc_per_node)

@@ -95,8 +95,3 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
         Path(run.dir).parent,
     )
     return run, {"asked": asked, "mode": "offline", "reason": reason, "waited_s": round(waited, 1)}
-
-
-def finish(run, exit_code: int) -> None:
-    if run is not None:
-        run.finish(exit_code=exit_code)
