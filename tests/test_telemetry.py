@@ -6,7 +6,7 @@ import math
 import pytest
 
 from colocated_grpo.telemetry import nvml
-from colocated_grpo.telemetry.aggregate import RankReport, label_samples, steady_state, step_metrics
+from colocated_grpo.telemetry.aggregate import RankReport, SteadyState, label_samples, step_metrics
 from colocated_grpo.telemetry.nvml import Sample
 from colocated_grpo.telemetry.phases import PhaseTracker, StepPhases
 from colocated_grpo.telemetry.step_line import format_line
@@ -218,6 +218,13 @@ def test_without_gpus_timings_and_throughput_remain():
     m = step_metrics([RankReport(0, recorded_step(), [], 10, 30)])
     assert m["perf/tokens_per_s"] == 4 and "perf/mfu" not in m
     assert not any(k.startswith(("gpu/", "memory/")) for k in m)
+
+
+def steady_state(records: list[dict], warmup_steps: int, starts=(0,)) -> dict[str, float]:
+    state = SteadyState(warmup_steps, starts)
+    for record in records:
+        state.add(record)
+    return state.summary()
 
 
 def test_steady_state_excludes_warmup_and_keeps_final_reward():

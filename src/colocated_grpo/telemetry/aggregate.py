@@ -153,11 +153,3 @@ class _Means:
 
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / n if n else float("nan") for k, n in sorted(self.counts.items())}
-
-
-def steady_state(records: list[dict], warmup_steps: int, starts=(0,)) -> dict[str, float]:
-    """SteadyState's summary of a list of records."""
-    state = SteadyState(warmup_steps, starts)
-    for record in records:
-        state.add(record)
-    return state.summary()
