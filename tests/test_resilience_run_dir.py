@@ -67,6 +67,7 @@ def test_a_refused_second_run_leaves_the_live_runs_hydra_record_alone(model_cach
 
 def test_claiming_is_idempotent_in_a_process_and_inherited_by_its_children(tmp_path, monkeypatch):
     monkeypatch.delenv(run_dir_guard.HELD_ENV, raising=False)
+    monkeypatch.setattr(run_dir_guard, "_held", {})  # this test's claim alone, let go of at its end
     run_dir = tmp_path / "run"
     run_dir_guard.check_writable(run_dir)
     try:
@@ -78,7 +79,9 @@ def test_claiming_is_idempotent_in_a_process_and_inherited_by_its_children(tmp_p
         other = subprocess.run([sys.executable, "-c", child, str(run_dir)], capture_output=True, text=True, env=env)
         assert other.returncode != 0 and "is in use by another training process" in other.stderr
     finally:
-        run_dir_guard.release_all()
+        for lock in run_dir_guard._held.values():
+            lock.release()
+        os.environ.pop(run_dir_guard.HELD_ENV, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -106,11 +106,3 @@ def claim(run_dir: Path) -> None:
         ) from None
     _held[run_dir] = lock
     os.environ[HELD_ENV] = str(run_dir)
-
-
-def release_all() -> None:
-    """Let go of every directory this process holds (for callers that run several runs in one process)."""
-    for run_dir in list(_held):
-        _held.pop(run_dir).release()
-        if os.environ.get(HELD_ENV) == str(run_dir):
-            del os.environ[HELD_ENV]
