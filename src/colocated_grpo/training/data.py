@@ -75,8 +75,7 @@ def problems(data_cfg, reward_columns: dict[str, list[str]]) -> list[str]:
             columns = _load_source(data_cfg).column_names
         except DataError as err:
             return found + err.problems
-    found += column_problems(data_cfg, columns, reward_columns)
-    return found
+    return found + column_problems(data_cfg, columns, reward_columns)
 
 
 def column_problems(data_cfg, source_columns: list[str] | None, reward_columns: dict[str, list[str]]) -> list[str]:
