@@ -76,7 +76,9 @@ def test_wandb_run_each_step_once(tmp_path):
 
 def test_leftover_processes_are_found_by_group_and_by_run_dir(tmp_path):
     marker = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(60)", marker], start_new_session=True)
+    child = "import time; print('started', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", child, marker], start_new_session=True, stdout=subprocess.PIPE)
+    proc.stdout.readline()  # its command line is the marker's once it runs, not the forked test's before its exec
     try:
         assert any(line.startswith(f"{proc.pid} ") for line in fc.leftover_processes([proc.pid], "unrelated"))
         assert any(line.startswith(f"{proc.pid} ") for line in fc.leftover_processes([], marker))
