@@ -55,26 +55,9 @@ E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
 
 
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist (--dist loadgroup, pyproject.toml): the tests of a file that share a module fixture (a run made
-    # once for them), directly or through another test, go to one worker; every other test goes wherever one is free
-    group: dict[tuple, tuple] = {}
-
-    def root(key: tuple) -> tuple:
-        while group.setdefault(key, key) != key:
-            key = group[key]
-        return key
-
-    shared = {}
     for item in items:
         if E2E_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.e2e)
-        defs = item._fixtureinfo.name2fixturedefs
-        shared[item] = [(item.path.stem, name) for name, d in defs.items() if d and d[-1].scope == "module"]
-        for other in shared[item][1:]:
-            group[root(other)] = root(shared[item][0])
-    for item, fixtures in shared.items():
-        if fixtures:
-            item.add_marker(pytest.mark.xdist_group(":".join(root(fixtures[0]))))
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
