@@ -61,7 +61,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """Two workers: a test's processes leave a core idle much of the time. GPU tests share the GPUs: one at a time."""
+    """Two workers (one run at a time leaves a core idle while it imports and starts). GPU tests share the GPUs: one
+    at a time."""
     return 0 if config.option.markexpr.strip() == "gpu" else 2
 
 
