@@ -7,16 +7,17 @@ PRINT = (
     "import time; from omegaconf import OmegaConf; from colocated_grpo.launch import run_start; run_start.register(); "
     "print(OmegaConf.create({'d': '${run_start:%H-%M-%S}'}).d, time.strftime('%H-%M-%S'))"
 )
-# A stand-in for the torchrun agent: starts two "ranks" 1.5 s apart (LOCAL_RANK set, as torchrun sets it), then a
-# process of its own without it.
+# A stand-in for the torchrun agent: starts two "ranks" 1.5 s apart (TORCHELASTIC_RUN_ID and LOCAL_RANK set, as
+# torchrun sets them), then a process of its own with only a leftover LOCAL_RANK.
 AGENT = f"""
 import os, subprocess, sys, time
 code = {PRINT!r}
 for rank in (0, 1):
-    subprocess.run([sys.executable, "-c", code], env={{**os.environ, "LOCAL_RANK": str(rank)}}, check=True)
+    env = {{**os.environ, "TORCHELASTIC_RUN_ID": "test", "LOCAL_RANK": str(rank)}}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
     time.sleep(1.5)
-env = {{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}}
-subprocess.run([sys.executable, "-c", code], env=env, check=True)
+env = {{k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}}
+subprocess.run([sys.executable, "-c", code], env={{**env, "LOCAL_RANK": "0"}}, check=True)
 """
 
 
@@ -25,4 +26,4 @@ def test_ranks_of_one_launch_resolve_the_same_start_and_a_plain_process_its_own(
     (rank0, now0), (rank1, now1), (alone, _) = (line.split() for line in out[:3])
     assert now0 != now1, "the two ranks ran in different seconds"
     assert rank0 == rank1, "yet they name the same run directory"
-    assert alone != rank0, "a process started on its own names its own"
+    assert alone != rank0, "a process started on its own names its own, a leftover LOCAL_RANK or not"

@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import time
 
+from colocated_grpo.resilience import process_end
+
 
 def started_at() -> float:
     import psutil
 
-    torchrun_worker = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    return psutil.Process(os.getppid() if torchrun_worker else os.getpid()).create_time()
+    return psutil.Process(os.getppid() if process_end.torchrun_worker() else os.getpid()).create_time()
 
 
 def register() -> None:

@@ -90,12 +90,17 @@ def _stop_ending() -> None:
     exit_now(128 + signal.SIGTERM)
 
 
+def torchrun_worker() -> bool:
+    """Started by torchrun (its agent sets TORCHELASTIC_RUN_ID; a LOCAL_RANK alone may be left over)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def stop_with_torchrun_agent() -> None:
     """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL, and stop as a
     preempted run does, rather than train on orphaned in a session of its own. Linux only."""
     import ctypes
 
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    if not torchrun_worker() or not sys.platform.startswith("linux"):
         return
     agent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -135,7 +140,7 @@ def exit_now(code: int) -> None:
 def _first_to_report() -> bool:
     """Whether this process reports its launch's failure: the only process does, else the first of the launch's
     processes on this node to claim it (rank 0 gets a head start)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not started by torchrun (a LOCAL_RANK alone may be left over)
+    if not torchrun_worker():
         return True
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if not rank0:
