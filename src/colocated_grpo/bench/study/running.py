@@ -21,15 +21,12 @@ from colocated_grpo.run_files import write_json
 
 def run(study_file: str | Path, out: str | Path) -> None:
     repo = checkout()  # refuses at once when there is no train.py to run
-    study, out = (
-        definition.load(study_file),
-        Path(out).resolve(),
-    )  # jobs write where this process means, whatever their cwd
+    study = definition.load(study_file)
+    out = Path(out).resolve()  # jobs write where this process means, whatever their cwd
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(study_file).read_text())
-    write_json(
-        out / "env.json", [*definition.environments(out), definition.environment()]
-    )  # a continued study may change machine
+    env = [*definition.environments(out), definition.environment()]  # a continued study may change machine
+    write_json(out / "env.json", env)
     steps = [
         (m, kind, name)
         for m in study["models"]
