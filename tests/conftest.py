@@ -63,7 +63,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_auto_num_workers(config) -> int:
     """Two workers (one run at a time leaves a core idle while it imports and starts). GPU tests share the GPUs: one
     at a time."""
-    return 0 if config.option.markexpr.strip() == "gpu" else 2
+    selects_gpu = "gpu" in config.option.markexpr and "not gpu" not in config.option.markexpr
+    return 0 if selects_gpu else 2
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +136,6 @@ def train(run_env, tmp_path_factory):
         run_dir: Path | None = None,
     ) -> Run:
         run_dir = run_dir or tmp_path_factory.mktemp("run")
-        run_dir.mkdir(parents=True, exist_ok=True)
         args = [f"hydra.run.dir={run_dir}", *overrides]
         cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
         env = {**run_env, **(env or {})}  # no MASTER_PORT: a plain run holds a rendezvous port of its own
@@ -198,9 +198,11 @@ def tp2_run(train, tmp_path_factory) -> Run:
     """Its sampled token ids are in run.tokens (tokens-rank<R>.jsonl, beside its run directory)."""
 
     def make() -> Run:
-        tokens = tmp_path_factory.mktemp("run") / "tokens"
+        root = tmp_path_factory.mktemp("tp2")
+        tokens, run_dir = root / "tokens", root / "run"
         tokens.mkdir()
-        return train(*TP2, nproc=2, env={"TOKEN_RECORD_DIR": str(tokens)}, run_dir=tokens.parent / "run")
+        run_dir.mkdir()
+        return train(*TP2, nproc=2, env={"TOKEN_RECORD_DIR": str(tokens)}, run_dir=run_dir)
 
     run = once_per_session("tp2_run", tmp_path_factory, make)
     run.tokens = run.dir.parent / "tokens"
