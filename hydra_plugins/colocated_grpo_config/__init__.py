@@ -4,7 +4,8 @@ hydra_plugins, before it composes. Every group then merges into it:
   closes the whole config before applying command-line overrides, and a node whose own struct flag is false stays
   open. What such a key may be is checked by config.validate, every problem at once, before anything loads.
 - `run` and `telemetry` are typed: a value of the wrong type (`run.cpu_kvcache_gb=abc`) or a key they do not have
-  is refused as Hydra composes, naming the key. The values themselves are in conf/ (MISSING here: no second copy).
+  (unless added with `+`, as Hydra allows anywhere) is refused as Hydra composes, naming the key. The values
+  themselves are in conf/ (MISSING here: no second copy).
 """
 
 from dataclasses import dataclass
