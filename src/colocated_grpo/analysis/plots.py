@@ -63,9 +63,11 @@ def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu", higher_i
         return fig
     for ax, placement in zip(fig.subplots(1, len(placements), squeeze=False)[0], placements, strict=True):
         sub = grid[grid["placement"] == placement]
-        cells = sub.groupby([sub[TP].astype(int), sub[MEMORY].astype(float)])[["status", metric]]
-        means = cells.apply(lambda cell: cell.loc[cell["status"] == "finished", metric].mean()).unstack()
-        labels = cells.apply(_cell_label, metric).unstack(fill_value="")  # a cell with no job stays blank
+        finished = sub[metric].where(sub["status"] == "finished")  # only finished jobs' values count
+        cells = sub.assign(value=finished).groupby([sub[TP].astype(int), sub[MEMORY].astype(float)])
+        stats = cells.agg(mean=("value", "mean"), count=("value", "count"), statuses=("status", _statuses))
+        means = stats["mean"].unstack()
+        labels = stats.apply(_cell_label, axis=1).unstack(fill_value="")  # a cell with no job stays blank
         values = means.to_numpy(float)
         image = ax.imshow(values, cmap=colormaps["viridis"].with_extremes(bad="#EEEEEE"), origin="lower", aspect="auto")
         for (i, j), label in np.ndenumerate(labels.to_numpy()):
@@ -409,14 +411,17 @@ def _text_color(image, value: float) -> str:
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
 
 
-def _cell_label(cell, metric: str) -> str:
+def _cell_label(cell) -> str:
     """A heatmap cell's text: the mean of its finished jobs, or why it has none (skipped, failed, no data)."""
-    numbers = cell.loc[cell["status"] == "finished", metric].dropna()
-    if len(numbers):
-        mean = numbers.mean()
-        text = f"{mean:,.0f}" if abs(mean) >= 100 else f"{mean:.3g}"
-        return text + (f"\n(mean of {len(numbers)})" if len(numbers) > 1 else "")
-    return "\n".join("no data" if s == "finished" else s for s in sorted(set(cell["status"].dropna()))) or "?"
+    if not cell["count"]:
+        return cell["statuses"]
+    text = f"{cell['mean']:,.0f}" if abs(cell["mean"]) >= 100 else f"{cell['mean']:.3g}"
+    return text + (f"\n(mean of {cell['count']})" if cell["count"] > 1 else "")
+
+
+def _statuses(status) -> str:
+    """A cell's job statuses, one a line ("no data" for finished jobs without the metric), or "?"."""
+    return "\n".join("no data" if s == "finished" else s for s in sorted(set(status.dropna()))) or "?"
 
 
 _SHORT = {
