@@ -1,8 +1,9 @@
 """Where a result comes from: the checkout it was made with and the versions of the packages that made it; which
-optional packages are installed."""
+optional packages are installed; the tools' command lines."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import os
@@ -42,6 +43,15 @@ def require_extra(extra: str, modules: Iterable[str], command: str) -> None:
             f'{command} needs {", ".join(missing)} (the `{extra}` extra): pip install -e ".[{extra}]" in the '
             f'checkout, or pip install "colocated-grpo[{extra}]"'
         )
+
+
+def command_parser(module: str, description: str | None, prog: str | None) -> argparse.ArgumentParser:
+    """The parser of `python -m module` (or of `prog`, its `colocated-grpo` name), `description` as written."""
+    return argparse.ArgumentParser(
+        prog=prog or f"python -m {module}",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 PACKAGES = (

@@ -15,7 +15,7 @@ import ast
 import os
 from pathlib import Path
 
-from colocated_grpo.provenance import NOTEBOOKS, require_extra
+from colocated_grpo.provenance import NOTEBOOKS, command_parser, require_extra
 
 
 def execute(
@@ -61,9 +61,7 @@ def parse_parameter(text: str) -> tuple[str, object]:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m colocated_grpo.analysis.notebook", description=__doc__.split("\n")[0]
-    )
+    parser = command_parser("colocated_grpo.analysis.notebook", __doc__.split("\n")[0], prog)
     parser.add_argument("notebook", help="notebooks/sweep.py, notebooks/run.py (or their .ipynb)")
     parser.add_argument("parameters", nargs="*", type=parse_parameter, help="NAME=VALUE, e.g. sweep_dir=sweeps/…")
     parser.add_argument("-o", "--output", help="the executed notebook (default: NAME.executed.ipynb here)")

@@ -32,9 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colocated_grpo import run_files
-from colocated_grpo.bench import command_parser
 from colocated_grpo.launch import processes
-from colocated_grpo.provenance import checkout
+from colocated_grpo.provenance import checkout, command_parser
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
 
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}

@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 from colocated_grpo import run_files
-from colocated_grpo.bench import command_parser
 from colocated_grpo.launch import processes
-from colocated_grpo.provenance import checkout
+from colocated_grpo.provenance import checkout, command_parser
 from colocated_grpo.run_files import STEP_KEY, read_jsonl
 
 

@@ -29,10 +29,9 @@ from pathlib import Path
 
 import psutil
 
-from colocated_grpo.bench import command_parser
 from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.compat import vllm as vllm_internals
-from colocated_grpo.provenance import checkout
+from colocated_grpo.provenance import checkout, command_parser
 from colocated_grpo.run_files import write_json
 
 OUTPUTS = ("none", "trl", "fast")

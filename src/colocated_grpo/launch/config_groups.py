@@ -7,7 +7,6 @@ each of its sections.
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
@@ -76,13 +75,10 @@ def reference(repo: Path) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog=prog or "python -m colocated_grpo.launch.config_groups",
-        description=f"Write {REFERENCE}: the composed default config, each section with the configs that set it.",
-    )
-    parser.parse_args(argv)
-    from colocated_grpo.provenance import checkout  # train.py imports this module: only what it needs
+    from colocated_grpo.provenance import checkout, command_parser  # train.py imports this module: only what it needs
 
+    description = f"Write {REFERENCE}: the composed default config, each section with the configs that set it."
+    command_parser("colocated_grpo.launch.config_groups", description, prog).parse_args(argv)
     repo = checkout()
     path = repo / REFERENCE
     path.write_text(reference(repo))

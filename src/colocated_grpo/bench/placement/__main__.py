@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from colocated_grpo.bench import command_parser
 from colocated_grpo.bench.placement import calibration, figures, validation
 from colocated_grpo.bench.placement.model import Workload, placements, predict
-from colocated_grpo.provenance import FIGURES, require_extra
+from colocated_grpo.provenance import FIGURES, command_parser, require_extra
 from colocated_grpo.run_files import write_json
 from colocated_grpo.telemetry.phases import PHASES
 

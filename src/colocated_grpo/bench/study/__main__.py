@@ -16,9 +16,8 @@ figure. The definition is a YAML file in sweeps/studies/ (see h200_x2.yaml for t
 
 from __future__ import annotations
 
-from colocated_grpo.bench import command_parser
 from colocated_grpo.bench.study import report, running
-from colocated_grpo.provenance import FIGURES, require_extra
+from colocated_grpo.provenance import FIGURES, command_parser, require_extra
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
