@@ -537,19 +537,21 @@ def test_wandb_rewind_cuts_offline_segment_at_the_checkpoint(tmp_path):
     import wandb
 
     run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
-    marker = None
+    checkpoint = tmp_path / "checkpoint-3"  # its marker says at which W&B step it was saved
+    checkpoint.mkdir()
     for step in range(1, 7):
         run.log({"profiling/t": 0.1, "train/global_step": step - 1})  # TRL's profiling rows precede the step's row
         run.log({"train/loss": float(step), "train/global_step": step})
         if step == 3:
             marker = {"segment": Path(run.dir).parent.name, "step": run.step}
+            (checkpoint / wandb_rewind.MARKER).write_text(json.dumps(marker))
     run.finish()
     wandb.teardown()  # the W&B service writes the file after finish() returns; teardown waits for it
     (segment,) = wandb_rewind.segments(tmp_path / "wandb", run.id)
     log_file = next(segment.glob("*.wandb"))
     original = log_file.read_bytes()
 
-    assert wandb_rewind.rewind(tmp_path / "wandb", run.id, 3, marker) == {segment.name: 6}
+    assert wandb_rewind.rewind(tmp_path / "wandb", run.id, 3, checkpoint) == {segment.name: 6}
     rows = wandb_log.history(log_file)
     assert [r["train/global_step"] for r in rows] == [0, 1, 1, 2, 2, 3], "exact: nothing after the save"
 

@@ -28,9 +28,9 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
         removed = checkpoints.remove_incomplete(run_dir)
         rewound = {}
         if resume.wandb_id:
-            marker = run_files.read_json(resume.checkpoint.path / wandb_rewind.MARKER) if resume.checkpoint else None
+            checkpoint = resume.checkpoint.path if resume.checkpoint else None
             try:
-                rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, marker)
+                rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, checkpoint)
             except UnknownFormat as err:
                 log.warning(
                     "W&B: run %s is not continued (%s); this attempt logs to a new W&B run in the same group, with "
