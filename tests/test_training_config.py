@@ -171,11 +171,19 @@ def test_fast_outputs_reach_the_colocated_engines_sampling_params(placement):
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"detokenize": True, "flat_logprobs": True}
 
 
-def test_stop_strings_keep_the_text_detokenized_and_their_escapes_are_read():
+def test_stop_strings_keep_the_text_detokenized_and_their_escapes_are_read(caplog):
     """vLLM matches stop strings on the text (detokenize=False refuses them at the first generate); Hydra hands
     `"\n\n"` on as backslash-n, which no completion would contain."""
     cfg = compose_train(*SMOKE, 'trainer.generation_kwargs={stop:["\\n\\n"]}')
-    assert grpo_config(cfg, "unused", []).generation_kwargs == {"flat_logprobs": True, "stop": ["\n\n"]}
+    with caplog.at_level("INFO"):
+        assert grpo_config(cfg, "unused", []).generation_kwargs == {"flat_logprobs": True, "stop": ["\n\n"]}
+    assert "placement.fast_outputs keeps the text detokenized" in caplog.text
+    caplog.clear()  # the user's own detokenize=true: nothing of ours to say
+    cfg = compose_train(*SMOKE, 'trainer.generation_kwargs={stop:["x"],detokenize:true}')
+    with caplog.at_level("INFO"):
+        kwargs = grpo_config(cfg, "unused", []).generation_kwargs
+    assert kwargs == {"flat_logprobs": True, "stop": ["x"], "detokenize": True}
+    assert "placement.fast_outputs" not in caplog.text
     cfg = compose_train(*SMOKE, "placement.fast_outputs=false", '+trainer.generation_kwargs.stop=".\\t"')
     assert grpo_config(cfg, "unused", []).generation_kwargs == {"stop": [".\t"]}
     cfg = compose_train(*SMOKE, 'trainer.generation_kwargs={stop:["x"],detokenize:false}')

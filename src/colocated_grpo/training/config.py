@@ -406,7 +406,8 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         from colocated_grpo.compat.vllm import fast_output_kwargs
 
         ours.update(fast_output_kwargs())
-        if stops and ours.pop("detokenize", None) is not None:  # vLLM matches stop strings on the text
+        # vLLM matches stop strings on the text; a user's own detokenize wins (and says so itself)
+        if stops and ours.pop("detokenize", None) is not None and "detokenize" not in users:
             log.info("placement.fast_outputs keeps the text detokenized: trainer.generation_kwargs.stop needs it")
     if stops and users.get("detokenize") is False:
         raise ConfigError(
