@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -25,12 +26,12 @@ PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 
 class MetricsFileCallback(TrainerCallback):
-    """Rank 0: each logged step to metrics.jsonl, keyed by `train/global_step` like the W&B run, with what the
-    `extras` hand over (the step's telemetry); summary.json kept current; the trainer's totals: trainer_summary.json."""
+    """Rank 0: each logged step to metrics.jsonl, keyed by `train/global_step` like the W&B run, with `step_metrics()`
+    (the step's telemetry); summary.json kept current; the trainer's totals: trainer_summary.json."""
 
-    def __init__(self, run_dir: Path, warmup_steps: int = 1):
+    def __init__(self, run_dir: Path, warmup_steps: int = 1, step_metrics: Callable[[], dict] | None = None):
         self.run_dir = run_dir
-        self.extras: list = []  # providers of a step's extra metrics
+        self.step_metrics = step_metrics
         self.steady = aggregate.SteadyState(warmup_steps)
         self.writer: JsonlWriter | None = None
         self.last: dict = {}  # the record of the latest step (telemetry/step_line.py prints it)
@@ -55,8 +56,8 @@ class MetricsFileCallback(TrainerCallback):
                 self.steady.add(earlier)
             self.writer = JsonlWriter(path)
         record = {STEP_KEY: state.global_step, **logs}
-        for extra in self.extras:
-            record.update(extra())
+        if self.step_metrics is not None:
+            record.update(self.step_metrics())
         self.writer.write(record)
         self.last = record
         self.steady.add(record)

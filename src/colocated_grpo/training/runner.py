@@ -215,13 +215,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
 def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.StopOnSignal) -> None:
     """Every callback of ours, in the order they run: the run files and the telemetry that feeds them, the step line,
     the W&B step, the checkpoint marked complete, the non-finite guard and the signal handler."""
-    metrics_file = MetricsFileCallback(run_dir, warmup_steps=int(cfg.telemetry.warmup_steps))
+    t = cfg.telemetry
+    telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops) if t.enabled else None
+    metrics_file = MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry.pop_step_metrics if telemetry else None)
     trainer.add_callback(metrics_file)
-    if cfg.telemetry.enabled:
-        t = cfg.telemetry
-        telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops)
+    if telemetry is not None:
         trainer.add_callback(telemetry)
-        metrics_file.extras.append(telemetry.pop_step_metrics)
     step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
     trainer.add_callback(wandb_rewind.RecordWandbStep())
     trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
