@@ -15,39 +15,21 @@ from colocated_grpo.analysis.frames import (
     load_run,
     newest_dir,
 )
-from colocated_grpo.analysis.tables import (
-    COLUMNS,
-    PLACEMENT_KEYS,
-    SUMMARY_KEYS,
-    load_jobs,
-    load_sweep,
-    missing,
-    print_summary,
-    run_placement,
-    run_summary,
-    summary_row,
-    write_summary,
-)
+from colocated_grpo.analysis.tables import PLACEMENT_KEYS, load_sweep, run_placement, run_summary, summary_row
 from colocated_grpo.analysis.wandb_api import load_wandb_run, load_wandb_sweep
 
 __all__ = [
-    "COLUMNS",
     "PHASE_COLUMNS",
     "PLACEMENT_KEYS",
     "SAMPLE_COLUMNS",
-    "SUMMARY_KEYS",
     "load_gpu_samples",
-    "load_jobs",
     "load_phases",
     "load_run",
     "load_sweep",
     "load_wandb_run",
     "load_wandb_sweep",
-    "missing",
     "newest_dir",
-    "print_summary",
     "run_placement",
     "run_summary",
     "summary_row",
-    "write_summary",
 ]
