@@ -1,9 +1,10 @@
 """The analysis frames, the figures, the notebooks (executed headless) and the render command, on the files of a
-real tiny run (2 ranks) and a real tiny sweep (a sparse TP × gpu_memory_utilization grid) made in this module."""
+real tiny run (2 ranks, made by conftest) and of a real GPU sweep kept in the repo."""
 
 from __future__ import annotations
 
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,14 +28,10 @@ from colocated_grpo.telemetry.phases import PHASES, Segment
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 
-# 2 × 2 jobs of one process: TP 4 does not divide the world size 1 and is skipped before launch, so the grid the
-# figures get is sparse: 2 finished jobs (TP 1 at two memory fractions) and 2 skipped ones.
-PLOT_SWEEP = (
-    "trainer.vllm_tensor_parallel_size=1,4",
-    "trainer.vllm_gpu_memory_utilization=0.3,0.5",
-    "trainer.max_steps=2",
-    "logger=none",
-)
+# A sweep kept in sweeps/results: 2 H200s, Qwen2.5-1.5B shapes, TP 1 and 2 × gpu_memory_utilization 0.3, 0.5, 0.7,
+# with NVML samples. Ctrl-C stopped it in its fifth job (interrupted), so the sixth never ran (cancelled): the grid
+# the figures get has a cell that failed and one that is empty.
+KEPT_SWEEP = REPO / "sweeps" / "results" / "tp_x_gpu_mem_1.5b" / "tp1_tp2_first_run"
 
 
 STEPS = [1, 2, 3, 4]
@@ -47,10 +44,11 @@ def run_dir(tp2_run) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sweep_dir(run_sweep) -> Path:
-    proc, sweep_dir = run_sweep(*PLOT_SWEEP)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return sweep_dir
+def sweep_dir(tmp_path_factory) -> Path:
+    """A copy of KEPT_SWEEP (render writes its figures into the sweep directory)."""
+    copy = tmp_path_factory.mktemp("sweep") / KEPT_SWEEP.name
+    shutil.copytree(KEPT_SWEEP, copy)
+    return copy
 
 
 def no_gpu() -> bool:
@@ -190,19 +188,22 @@ def test_training_curves_plot_the_logged_rewards_and_lengths_against_the_global_
 def test_sweep_frame_has_each_jobs_placement_and_numbers(sweep_dir):
     jobs = analysis.load_sweep(sweep_dir)
     assert list(jobs.columns) == list(tables.COLUMNS)
-    assert list(jobs["status"]) == ["finished", "finished", "skipped", "skipped"]
-    assert list(jobs["placement"]) == ["colocate"] * 4
-    assert list(jobs["vllm_tensor_parallel_size"]) == [1, 1, 4, 4], "skipped jobs: as planned (job.json)"
-    assert list(jobs["vllm_gpu_memory_utilization"]) == [0.3, 0.5, 0.3, 0.5]
-    assert list(jobs["world_size"]) == [1] * 4 and list(jobs["gpus"]) == [1] * 4
+    assert list(jobs["status"]) == ["finished"] * 4 + ["interrupted", "cancelled"]
+    started = jobs.iloc[:5]  # the cancelled job never wrote a config: its placement is unknown
+    assert list(started["placement"]) == ["colocate"] * 5 and jobs["placement"].isna().iloc[5]
+    assert list(started["vllm_tensor_parallel_size"]) == [1, 1, 1, 2, 2]
+    assert list(started["vllm_gpu_memory_utilization"]) == [0.3, 0.5, 0.7, 0.3, 0.5]
+    assert list(started["world_size"]) == [2] * 5 and list(started["gpus"]) == [2] * 5
     done = jobs[jobs["status"] == "finished"]
     assert (done["timing_s/step"] > 0).all() and (done["perf/tokens_per_s_per_gpu"] > 0).all()
     phases = done[[f"timing_s/{p}" for p in PHASES]].sum(axis=1)
     np.testing.assert_allclose(phases, done["timing_s/step"], rtol=1e-6)
     np.testing.assert_allclose(done["perf/tokens_per_s_per_train_gpu"], done["perf/tokens_per_s_per_gpu"])
-    assert done["memory/peak_gb"].isna().all() == no_gpu()
-    skipped = jobs[jobs["status"] == "skipped"]
-    assert skipped["timing_s/step"].isna().all() and skipped["note"].str.contains("must divide").all()
+    # NVML's peak: the memory vLLM is given shows in it
+    peaks = done.set_index(["vllm_tensor_parallel_size", "vllm_gpu_memory_utilization"])["memory/peak_gb"]
+    assert peaks[1, 0.3] < peaks[1, 0.5] < peaks[1, 0.7] < 141
+    stopped = jobs.iloc[4:]
+    assert stopped["timing_s/step"].isna().all() and "got signal: 2" in stopped["note"].iloc[0]
     assert {"placement", "vllm_tensor_parallel_size", "timing_s/other"} <= set(
         pd.read_csv(sweep_dir / run_files.SWEEP_SUMMARY).columns
     )
@@ -213,21 +214,23 @@ def test_heatmap_shows_the_sparse_grid_with_why_cells_are_empty(sweep_dir):
     fig = plots.throughput_heatmap(jobs)
     ax = fig.axes[0]
     grid = ax.get_images()[0].get_array()
-    assert grid.shape == (2, 2)  # TP 1, 4 × memory 0.3, 0.5
-    done = jobs[jobs["status"] == "finished"].sort_values("vllm_gpu_memory_utilization")
-    np.testing.assert_allclose(grid[0], done["perf/tokens_per_s_per_gpu"])
-    assert np.isnan(np.ma.filled(grid[1].astype(float), np.nan)).all()
+    assert grid.shape == (2, 3)  # TP 1, 2 × memory 0.3, 0.5, 0.7
+    done = jobs[jobs["status"] == "finished"]
+    tp1 = done[done["vllm_tensor_parallel_size"] == 1].sort_values("vllm_gpu_memory_utilization")
+    np.testing.assert_allclose(grid[0], tp1["perf/tokens_per_s_per_gpu"])
+    assert grid[1, 0] == done.loc[done["vllm_tensor_parallel_size"] == 2, "perf/tokens_per_s_per_gpu"].item()
+    assert np.ma.getmaskarray(grid[1])[1:].all()
     texts = [t.get_text() for t in ax.texts]
-    assert texts.count("skipped") == 2
-    # the best cell is framed: the most tokens/s, the shortest step
+    assert texts[4:] == ["interrupted", ""], "the interrupted cell says so; the cancelled job has no cell"
+    # the best cell is framed: the most tokens/s, the shortest step (both TP 1 at 0.7 here)
     for metric, best in (("perf/tokens_per_s_per_gpu", max), ("timing_s/step", min)):
         (frame,) = plots.throughput_heatmap(jobs, metric=metric).axes[0].patches
-        j = list(done[metric]).index(best(done[metric]))
+        j = list(tp1[metric]).index(best(tp1[metric]))
         assert frame.get_xy() == (j - 0.5, -0.5)
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "4"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "2"]
     # a hole in the grid (a cell without any job) stays blank; a grid with no colocated job is a note
-    holed = plots.throughput_heatmap(jobs.drop(index=jobs.index[-1]))
-    assert [t.get_text() for t in holed.axes[0].texts].count("") == 1
+    holed = plots.throughput_heatmap(jobs.drop(index=jobs.index[4]))
+    assert [t.get_text() for t in holed.axes[0].texts].count("") == 2
     empty = plots.throughput_heatmap(jobs.assign(placement="none"))
     assert "no colocated vLLM jobs" in empty.axes[0].texts[0].get_text()
 
@@ -237,23 +240,28 @@ def test_colocate_vs_server_notes_a_sweep_without_server_jobs_and_compares_per_g
     fig = plots.colocate_vs_server(jobs)
     note = fig.axes[1].texts[0].get_text()
     assert note.startswith("no server jobs in this sweep") and "Per GPU used" in note
-    # beside a server job that made 1.5× the best colocated job's tokens/s (on 1 GPU) with 1 trainer + 1 server
-    # GPU: colocation wins per GPU used (1 / 0.75) and loses per training GPU (1 / 1.5)
+    # beside a server job that made 1.2× the best colocated job's tokens/s (on 2 GPUs) with 2 trainer + 1 server
+    # GPUs: colocation wins per GPU used (1 / (1.2 × 2/3)) and loses per training GPU (1 / 1.2)
     best = jobs.loc[jobs["perf/tokens_per_s_per_gpu"].idxmax()]
     server = best.copy()
-    server[["placement", "world_size", "gpus", "perf/tokens_per_s"]] = ["server", 1, 2, 1.5 * best["perf/tokens_per_s"]]
-    server["perf/tokens_per_s_per_gpu"] = server["perf/tokens_per_s"] / 2
-    server["perf/tokens_per_s_per_train_gpu"] = server["perf/tokens_per_s"]
+    server[["placement", "world_size", "gpus", "perf/tokens_per_s"]] = ["server", 2, 3, 1.2 * best["perf/tokens_per_s"]]
+    server["perf/tokens_per_s_per_gpu"] = server["perf/tokens_per_s"] / 3
+    server["perf/tokens_per_s_per_train_gpu"] = server["perf/tokens_per_s"] / 2
     both = pd.concat([jobs, server.to_frame().T], ignore_index=True).infer_objects()
     title = plots.colocate_vs_server(both).axes[0].get_title()
-    assert title == "colocate vs server: 1.33× per GPU used, 0.67× per training GPU"
+    assert title == "colocate vs server: 1.25× per GPU used, 0.83× per training GPU"
 
 
-def test_peak_memory_without_nvml_is_a_note(sweep_dir):
+def test_peak_memory_draws_one_line_per_tp_and_is_a_note_without_nvml(sweep_dir):
     jobs = analysis.load_sweep(sweep_dir)
-    if not no_gpu():
-        pytest.skip("a machine with a GPU has memory samples")
-    assert plots.peak_memory(jobs).axes[0].texts[0].get_text().startswith(plots.NO_NVML)
+    ax = plots.peak_memory(jobs).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert sorted(lines) == ["colocate, TP 1", "colocate, TP 2"]
+    np.testing.assert_allclose(lines["colocate, TP 1"].get_xdata(), [0.3, 0.5, 0.7])
+    done = jobs[(jobs["status"] == "finished") & (jobs["vllm_tensor_parallel_size"] == 1)]
+    np.testing.assert_allclose(lines["colocate, TP 1"].get_ydata(), done["memory/peak_gb"])
+    unmeasured = plots.peak_memory(jobs.assign(**{"memory/peak_gb": np.nan}))  # a sweep on CPU: no NVML
+    assert unmeasured.axes[0].texts[0].get_text().startswith(plots.NO_NVML)
 
 
 # ----------------------------------------------------------------------------------- notebooks and the command
