@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import types
 
 # TRL's colocated engine: LLM(..., distributed_executor_backend="external_launcher", max_num_batched_tokens=4096,
 # logprobs_mode="processed_logprobs") in trl/generation/vllm_generation.py; the generation benchmark mirrors it.
@@ -189,8 +188,8 @@ def fast_sync_plan(generation) -> str | None:
     return "chunked" if dist.fsdp_version == 2 else "one_call"
 
 
-def _batched_sync(generation, chunk_bytes: int | None) -> int:
-    """TRL's sync with batched load_weights calls; returns how many calls it made. chunk_bytes=None: one call."""
+def _batched_sync(generation, chunk_bytes: int | None) -> None:
+    """TRL's sync with batched load_weights calls: one call when chunk_bytes is None, else one per chunk."""
     from trl.generation.vllm_generation import empty_cache
 
     if generation.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
@@ -198,20 +197,18 @@ def _batched_sync(generation, chunk_bytes: int | None) -> int:
         generation.llm.wake_up(tags=["weights"])
         generation._llm_weights_sleeping = False
     load = _engine_model(generation).load_weights
-    calls, pending, size = 0, [], 0
+    pending, size = [], 0
     # TRL's own iterator: its name fixes, and FSDP2's full_tensor() gathers (collectives: every rank iterates).
     for name, tensor in generation._iter_named_params():
         pending.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
         if chunk_bytes is not None and size >= chunk_bytes:
             load(pending)
-            calls, pending, size = calls + 1, [], 0
+            pending, size = [], 0
     if pending:
         load(pending)
-        calls += 1
     del pending  # FSDP2's gathered copies go before generation
     generation.llm.reset_prefix_cache()  # as TRL: cached KV was computed with the old weights
-    return calls
 
 
 def install_fast_sync(trainer, chunk_bytes: int) -> str | None:
@@ -222,11 +219,7 @@ def install_fast_sync(trainer, chunk_bytes: int) -> str | None:
     if how is None:
         return None
     chunk = chunk_bytes if how == "chunked" else None
-
-    def sync_weights(self):
-        self.load_weights_calls = _batched_sync(self, chunk)
-
     # An instance attribute shadows the class's method for every caller: GRPOTrainer's sync before generation and
     # VLLMGeneration.generate's re-sync of weights still asleep.
-    generation.sync_weights = types.MethodType(sync_weights, generation)
+    generation.sync_weights = functools.partial(_batched_sync, generation, chunk)
     return how
