@@ -1,14 +1,5 @@
-"""The figures researchers look at, drawn from the frames of colocated_grpo.analysis (tables, frames).
-
-Sweep (one row per job, tables.load_sweep):
-    throughput_heatmap    tokens/s per GPU over vLLM TP × gpu_memory_utilization, one panel per colocated placement
-    step_breakdown        each job's steady-state step time, stacked by phase
-    peak_memory           peak GPU memory against gpu_memory_utilization, one line per placement and TP
-    colocate_vs_server    the best job of each placement, per GPU used and per training GPU, and the speed-up
-Run (frames.load_run, load_gpu_samples, load_phases):
-    gpu_timeline          utilisation (and memory) of every GPU over time, the phases of its rank shaded
-    training_curves       reward (and each reward function) and completion length against train/global_step
-    step_phases           each step's time, stacked by phase
+"""The figures researchers look at: a sweep's (sweep_figures, from tables.load_sweep) and a run's (run_figures, from
+frames.load_run, load_gpu_samples and load_phases).
 
 Every function returns a matplotlib Figure (no pyplot state; a notebook cell ending in one shows it) and draws a
 note where data is missing (no NVML, no server job, a sparse grid). The notebooks and `render DIR` call them.

@@ -21,7 +21,6 @@ check fails.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -34,7 +33,7 @@ from pathlib import Path
 from colocated_grpo import run_files
 from colocated_grpo.launch import processes
 from colocated_grpo.provenance import checkout, command_parser
-from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
+from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl, write_json
 
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 MOMENTS = ("startup", "step", "save")
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     report = campaign(args.out, args.steps, args.save_steps, args.faults, args.seed, args.overrides)
-    (args.out / "fault_campaign.json").write_text(json.dumps(report, indent=2))
+    write_json(args.out / "fault_campaign.json", report)
     print_report(report)
     sys.exit(0 if report["ok"] else 1)
 
