@@ -33,22 +33,15 @@ def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) 
                 rewound = wandb_rewind.rewind(run_dir / "wandb", resume.wandb_id, resume.step, checkpoint)
             except UnknownFormat as err:
                 log.warning(
-                    "W&B: run %s is not continued (%s); this attempt logs to a new W&B run in the same group, with "
-                    "the steps up to the checkpoint from metrics.jsonl, which keeps every step",
-                    resume.wandb_id,
-                    err,
+                    f"W&B: run {resume.wandb_id} is not continued ({err}); this attempt logs to a new W&B run in the "
+                    "same group, with the steps up to the checkpoint from metrics.jsonl, which keeps every step"
                 )
                 resume.previous["wandb_id"] = None
         where = resume.checkpoint.path.name if resume.checkpoint else "the start (no checkpoint)"
         log.info(
-            "resuming %s from %s, step %d; records of later steps dropped: %s; W&B rows dropped: %s; "
-            "incomplete checkpoints removed: %s",
-            run_dir,
-            where,
-            resume.step,
-            dropped or "none",
-            rewound or "none",
-            removed or "none",
+            f"resuming {run_dir} from {where}, step {resume.step}; records of later steps dropped: "
+            f"{dropped or 'none'}; W&B rows dropped: {rewound or 'none'}; incomplete checkpoints removed: "
+            f"{removed or 'none'}"
         )
     if cfg.trainer.get("trust_remote_code"):
         log.warning("trainer.trust_remote_code=true: code shipped with the model repository will run here")

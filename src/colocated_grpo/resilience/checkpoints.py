@@ -195,9 +195,7 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
                 "starting over would overwrite its results; choose a new hydra.run.dir"
             )
         log.warning(
-            "%s holds an unfinished run without a checkpoint (status: %s): starting it over from step 0",
-            run_dir,
-            status,
+            f"{run_dir} holds an unfinished run without a checkpoint (status: {status}): starting it over from step 0"
         )
         return Resume(None, previous)
     check_config(cfg, run_dir, previous)

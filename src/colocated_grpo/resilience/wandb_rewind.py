@@ -65,12 +65,8 @@ def rewind(wandb_dir: Path, run_id: str, step: int, checkpoint: Path | None) -> 
             dropped[name] = count
         else:
             log.warning(
-                "W&B already holds %d rows that run %s logged after checkpoint %d (segment %s, online); they stay "
-                "in W&B. metrics.jsonl in the run directory has every step once.",
-                count,
-                run_id,
-                step,
-                name,
+                f"W&B already holds {count} rows that run {run_id} logged after checkpoint {step} (segment {name}, "
+                "online); they stay in W&B. metrics.jsonl in the run directory has every step once."
             )
     return dropped
 

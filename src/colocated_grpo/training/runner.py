@@ -319,16 +319,10 @@ def launched_world_size(cfg: DictConfig) -> int:
     wanted = int(cfg.parallelism.nproc_per_node)
     if wanted != here and is_main_process():
         log.warning(
-            "parallelism.nproc_per_node=%d, but this run has %d process(es) on this node (world size %d): the "
-            "world size is %d, and per-GPU numbers count %d GPU(s). parallelism.nproc_per_node tells a launcher how "
-            "many processes to start: torchrun --nproc_per_node=%d train.py …, or python train.py -m … (the torchrun "
-            "launcher)",
-            wanted,
-            here,
-            world,
-            world,
-            world,
-            wanted,
+            f"parallelism.nproc_per_node={wanted}, but this run has {here} process(es) on this node (world size "
+            f"{world}): the world size is {world}, and per-GPU numbers count {world} GPU(s). "
+            f"parallelism.nproc_per_node tells a launcher how many processes to start: torchrun "
+            f"--nproc_per_node={wanted} train.py …, or python train.py -m … (the torchrun launcher)"
         )
     return world
 

@@ -88,10 +88,7 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
     # A new offline run (the failed one's id stays taken here; a resumed run backfills it), silent: the warning says it
     run = wandb.init(**{**kwargs, "id": None, "resume": None}, mode="offline", settings=wandb.Settings(silent=True))
     log.warning(
-        "W&B: no answer from %s within %.0f s (%s); logging offline instead, upload later with: wandb sync %s",
-        wandb_server(),
-        waited,
-        reason,
-        Path(run.dir).parent,
+        f"W&B: no answer from {wandb_server()} within {waited:.0f} s ({reason}); logging offline instead, upload "
+        f"later with: wandb sync {Path(run.dir).parent}"
     )
     return run, {"asked": asked, "mode": "offline", "reason": reason, "waited_s": round(waited, 1)}
