@@ -1,16 +1,6 @@
-"""What we know of TRL's internals (GRPOTrainer, its VLLMGeneration): the methods the phase hooks wrap, where the
-colocated engine lives, the engine's seed (trl#7040), GRPOConfig's batch arithmetic and how TRL builds its
-colocated engine. Nothing in TRL is changed; wrapped methods are called unchanged.
-
-The phases (telemetry/phases.py names them):
-
-    generate      GRPOTrainer._generate (vLLM or transformers generation; sync_weights nests inside)
-    sync_weights  VLLMGeneration.sync_weights (colocate and server)
-    sleep_wake    the colocated engine's sleep() and wake_up() (sleep mode only; inside generate and sync_weights)
-    reward        GRPOTrainer._calculate_rewards
-    train         GRPOTrainer.training_step (forward + backward) and the optimizer step (callback edges)
-    other         the rest of TRL's _prepare_inputs (old/ref log-probs, advantages, gathering) and the loop
-"""
+"""What we know of TRL's internals (GRPOTrainer, its VLLMGeneration): the methods the phase hooks wrap (the phases:
+docs/telemetry.md), where the colocated engine lives, the engine's seed (trl#7040), GRPOConfig's batch arithmetic
+and how TRL builds its colocated engine. Wrapped methods are called unchanged."""
 
 from __future__ import annotations
 

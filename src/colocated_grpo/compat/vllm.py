@@ -1,18 +1,5 @@
-"""What we know of vLLM's internals: the CPU engine's patches (below), and the text of its start-up memory errors
-(`memory_failure`), which vLLM raises as plain RuntimeErrors. CUDA builds of vLLM are untouched.
-
-`prepare_cpu`, first: vLLM's CPU engine repacks every linear weight for oneDNN and drops the parameter, so TRL's
-in-place weight sync fails ("'Parameter' object has no attribute 'weight_loader'") or would not be seen; plain
-`torch.nn.functional.linear` on the live parameter makes every sync visible to the next generation.
-
-Second, under torchrun every CPU engine names its tensor-parallel shared-memory segments (/dev/shm) after "env://",
-so two TP runs on one machine collide ("create shm in SHMManager failed. errno: 17"): the name here holds the
-rendezvous port and the torchrun agent's pid. A run ends without vLLM's teardown, so each rank unlinks its segment
-once every rank has mapped every segment: nothing is left in /dev/shm.
-
-Third, `run_eagerly` (placement.cpu_eager): the CPU engine without torch.compile, which vLLM would otherwise run on
-the model at every engine start and on two sampler helpers at the first generate (docs/running.md has the timings).
-"""
+"""What we know of vLLM's internals: the CPU engine's patches (`prepare_cpu`, `run_eagerly`) and the text of its
+start-up memory errors (`memory_failure`), which vLLM raises as plain RuntimeErrors. CUDA builds are untouched."""
 
 from __future__ import annotations
 
@@ -51,6 +38,9 @@ def fast_output_kwargs() -> dict:
 
 
 def prepare_cpu() -> None:
+    """On CPU: plain `linear` on the live weights (vLLM repacks them for oneDNN and drops the parameter, so TRL's
+    in-place sync would fail or go unseen); TP shared-memory segments named per launch (rendezvous port and torchrun
+    agent pid; after "env://" two TP runs on one machine collide, errno 17), each unlinked once every rank mapped it."""
     import torch
 
     if torch.cuda.is_available():
@@ -82,8 +72,8 @@ def prepare_cpu() -> None:
 
 
 def run_eagerly() -> dict:
-    """Run vLLM's compiled sampler helpers as plain functions in this process; returns the LLM(...) arguments that
-    build an engine without torch.compile."""
+    """placement.cpu_eager: run vLLM's compiled sampler helpers as plain functions in this process; returns the
+    LLM(...) arguments that build an engine without torch.compile (docs/running.md has the timings)."""
     import importlib
 
     for module_name, name in COMPILED_SAMPLER_HELPERS:

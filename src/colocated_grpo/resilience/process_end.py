@@ -1,16 +1,6 @@
-"""How a process ends: on a signal, on a failure, or done. Standard library only: train.py installs the start-up
-handler before anything heavy is imported.
-
-SIGTERM: in start-up (`run_main`) it unwinds like Ctrl-C, so a recorded run says `interrupted` and exits 143; in
-training the runner's handler saves a checkpoint and stops (preemption.py); in the ending (`begin`) it stops only an
-ending that hangs. A torchrun worker gets it when its agent dies, even by SIGKILL (`stop_with_torchrun_agent`).
-
-A failure (`report_failure`): the traceback goes to every rank's train.log; the console gets `Type: message` once per
-launch (the traceback too where the message does not explain itself), and so does torchrun's error file, so that its
-closing block names the error instead of "To enable traceback see …".
-
-`exit_now` skips the interpreter's teardown, which would print dozens of `nanobind: leaked …` lines after the error.
-"""
+"""How a process ends: on a signal (SIGTERM in start-up: `run_main`; in training: preemption.py; in the ending:
+`begin`), on a failure (`report_failure`), or done (`exit_now`). Standard library only: train.py installs the
+start-up handler before anything heavy is imported."""
 
 from __future__ import annotations
 
@@ -110,7 +100,8 @@ def stop_with_torchrun_agent() -> None:
 
 def report_failure(exc: BaseException, explained: bool, show_cause: bool = False) -> None:
     """Log `exc` with its traceback to the log files; print it on the console once per launch (a traceback only
-    when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward)."""
+    when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward), and
+    to torchrun's error file, so that its closing block names the error instead of "To enable traceback see …"."""
     failed_at = str(int(time.time()))  # before the wait below: torchrun's root cause is the earliest failure
     line = f"{type(exc).__name__}: {exc}"
     run_files.log_to_files(log, logging.ERROR, "run failed", (type(exc), exc, exc.__traceback__))
@@ -130,7 +121,7 @@ def report_failure(exc: BaseException, explained: bool, show_cause: bool = False
 
 
 def exit_now(code: int) -> None:
-    """End the process without the interpreter's teardown (see the module's docstring)."""
+    """End the process without the interpreter's teardown, which prints dozens of `nanobind: leaked …` lines."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

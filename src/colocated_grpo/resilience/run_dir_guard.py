@@ -1,13 +1,5 @@
-"""The run directory, claimed before Hydra writes its record (`.hydra/`) into it.
-
-`RunDirGuard` (a Hydra callback, `hydra.callbacks` in conf/train.yaml) runs first, at `on_run_start`:
-- a directory that cannot be created or written is refused in one line: `hydra.run.dir`, the path, the reason;
-- rank 0 takes the run directory's lock, so a second launch into a directory in use is refused before Hydra
-  rewrites the live run's record;
-- only rank 0 writes Hydra's record.
-
-The lock is held until the process ends; a process the holder starts for the same directory (a server placement's
-trainer) inherits it through `HELD_ENV`.
+"""The run directory, claimed before Hydra writes its record (`.hydra/`) into it; the lock is held until the process
+ends, and a process the holder starts for the same directory (a server placement's trainer) inherits it (`HELD_ENV`).
 """
 
 from __future__ import annotations
@@ -35,6 +27,10 @@ class RunDirRefused(SystemExit):
 
 
 class RunDirGuard(Callback):
+    """A Hydra callback (`hydra.callbacks` in conf/train.yaml), first at `on_run_start`: a directory that cannot be
+    created or written is refused in one line; rank 0 takes its lock, so a second launch into a directory in use is
+    refused before Hydra rewrites the live run's record; only rank 0 writes Hydra's record."""
+
     def on_run_start(self, config, **kwargs) -> None:
         from hydra.core.hydra_config import HydraConfig
         from omegaconf import OmegaConf, read_write
