@@ -36,8 +36,7 @@ def checkout() -> Path:
 
 
 def require_extra(extra: str, modules: Iterable[str], command: str) -> None:
-    """Refuse, naming the extra to install, when a module that `command` will need is missing: before long work,
-    not at its end."""
+    """Refuse, naming the extra to install, when a module `command` needs is missing: before long work, not after."""
     if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
         raise SystemExit(
             f'{command} needs {", ".join(missing)} (the `{extra}` extra): pip install -e ".[{extra}]" in the '

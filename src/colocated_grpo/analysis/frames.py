@@ -23,8 +23,7 @@ def newest_dir(name: str) -> Path:
 
 
 def load_run(run_dir: str | Path):
-    """metrics.jsonl as a DataFrame: one row per logged step, ordered by `train/global_step`, one column per metric
-    (TRL's, e.g. `reward`, `rewards/<name>/mean`, `completions/mean_length`, and the telemetry's)."""
+    """metrics.jsonl as a DataFrame: one row per logged step, ordered by `train/global_step`, a column per metric."""
     import pandas as pd
 
     frame = pd.DataFrame(read_jsonl(Path(run_dir) / run_files.METRICS))

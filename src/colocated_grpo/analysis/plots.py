@@ -243,8 +243,7 @@ def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figur
 
 
 def training_curves(metrics) -> Figure:
-    """Reward (± its std across completions) and each reward function's mean, and completion length (min–max
-    band), against train/global_step."""
+    """Reward (± std) and each reward function's mean, and completion length (min–max band), by global step."""
     fig = Figure(figsize=(8.0, 6.0), layout="constrained")
     reward_ax, length_ax = fig.subplots(2, 1, sharex=True)
     step = metrics[STEP_KEY]
@@ -326,8 +325,7 @@ class Figures(dict):
 
 
 def render(path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """The figures of a sweep directory (sweep_figures) or of a run directory (run_figures) as PNGs, in
-    `out_dir` (default: PATH/figures)."""
+    """A sweep's (sweep_figures) or a run's (run_figures) figures as PNGs in `out_dir` (default: PATH/figures)."""
     path = Path(path)
     if (path / run_files.METRICS).exists() or (path / run_files.RUN).exists():
         figures = run_figures(frames.load_run(path), frames.load_gpu_samples(path), frames.load_phases(path))

@@ -89,8 +89,7 @@ def summary_row(summary: dict, metrics: list[dict], world_size: int = 1) -> dict
 
 
 def placement_settings(get: Callable[[str], object], world_size: int | None = None) -> dict:
-    """PLACEMENT_KEYS of a job from its config, read through `get(dotted key) -> value or None` (a config file,
-    a W&B run's config or a composed DictConfig alike)."""
+    """PLACEMENT_KEYS of a job from its config (file, W&B run or DictConfig), read through `get(dotted key)`."""
     name = get("placement.name")
     world = int(world_size or get("parallelism.nproc_per_node") or 1)
     server_gpus = 0
@@ -145,8 +144,7 @@ def _from_metrics(metrics: list[dict], world_size: int) -> dict:
 
 
 def load_jobs(sweep_dir: str | Path) -> list[dict]:
-    """One row per job of a sweep (COLUMNS), ordered by job number: each directory with a job.json, else each with a
-    run.json (a sweep run by another launcher)."""
+    """One row per job of a sweep (COLUMNS) by job number: each directory with a job.json, else with a run.json."""
     sweep_dir = Path(sweep_dir)
     job_dirs = sorted({p.parent for p in sweep_dir.rglob(run_files.JOB)})
     job_dirs = job_dirs or sorted({p.parent for p in sweep_dir.rglob(run_files.RUN)})

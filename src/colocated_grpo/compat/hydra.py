@@ -20,8 +20,7 @@ def output_dir() -> str:
 
 
 def in_process_multirun_launcher() -> str | None:
-    """The launcher's name (hydra/launcher) when this job runs inside a multirun's own process (Hydra's basic
-    launcher), else None."""
+    """The launcher's name when this job runs in a multirun's own process (Hydra's basic launcher), else None."""
     from hydra.types import RunMode
 
     config = HydraConfig.get()

@@ -44,8 +44,7 @@ def _wrap(obj, name: str, tracker, phase: str, after=None) -> None:
 
 
 def install_phase_hooks(trainer, tracker, tokens) -> None:
-    """Time TRL's steps as phases of `tracker` (a telemetry PhaseTracker) and count the generated tokens into
-    `tokens` (a telemetry TokenCounter)."""
+    """Time TRL's steps as phases of `tracker` and count generated tokens into `tokens` (telemetry.phases)."""
 
     def count(result):
         prompt_ids, completion_ids = result[0], result[1]
@@ -74,8 +73,7 @@ def engine_config(trainer):
 
 
 def kv_cache_tokens(trainer) -> int | None:
-    """Tokens the colocated engine's KV cache holds (blocks × block size), what its memory share buys; None without
-    an in-process engine or before vLLM has sized its cache."""
+    """Tokens the colocated engine's KV cache holds (blocks × block size); None without one or before it is sized."""
     cache = getattr(engine_config(trainer), "cache_config", None)
     if cache is None or not cache.num_gpu_blocks:
         return None

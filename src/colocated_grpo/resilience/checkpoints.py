@@ -85,8 +85,7 @@ def _checkpoint_dirs(run_dir: Path):
 
 
 def _state(path: Path, step: int, legacy: bool) -> int | Unreadable | None:
-    """The step a complete checkpoint holds (marked COMPLETE by every rank, or legacy: has rank 0's TRAINER_STATE);
-    None when its save was cut short."""
+    """The step a complete checkpoint holds (COMPLETE, or a legacy run's TRAINER_STATE); None for a save cut short."""
     name = TRAINER_STATE if legacy else COMPLETE
     try:
         return int(json.loads((path / name).read_text())["global_step"])

@@ -80,8 +80,7 @@ def describe(err: OSError, run_dir: Path) -> str:
 
 
 def restore_record(run_dir: Path) -> None:
-    """Put back the Hydra record of the run the directory held before this launch (a launch refused before it
-    starts: a changed config, `run.resume=never`)."""
+    """Put back the Hydra record of the run the directory held before this launch (refused before it started)."""
     for name, text in _records.pop(Path(run_dir).resolve(), {}).items():
         run_files.write_text(Path(run_dir) / run_files.HYDRA / name, text)
 

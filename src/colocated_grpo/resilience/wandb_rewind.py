@@ -30,12 +30,10 @@ def segments(wandb_dir: Path, run_id: str) -> list[Path]:
 
 
 def rewind(wandb_dir: Path, run_id: str, step: int, checkpoint: Path | None) -> dict[str, int]:
-    """Cut this run's offline segments back to `checkpoint` (of `step`, or None); returns the rows dropped per segment.
-
-    With the checkpoint's marker: from the first row logged after it was saved, and all rows of later segments;
-    without one (saved while W&B was off, or no checkpoint): the rows after `step` (all when step is 0).
-    All segments are read before any is cut: an unknown log format (compat.wandb.UnknownFormat) changes none.
-    """
+    """Cut this run's offline segments back to `checkpoint` (of `step`, or None); returns the rows dropped per segment:
+    with the checkpoint's marker, from the first row logged after it was saved and all rows of later segments; without
+    one (saved while W&B was off, or no checkpoint), the rows after `step` (all when step is 0). All segments are read
+    before any is cut: an unknown log format (compat.wandb.UnknownFormat) changes none."""
     marker = run_files.read_json(checkpoint / MARKER) if checkpoint else None
     order = [s.name for s in segments(wandb_dir, run_id)]
     saver = order.index(marker["segment"]) if (marker or {}).get("segment") in order else None

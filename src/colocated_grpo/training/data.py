@@ -151,8 +151,7 @@ def _file_problems(data_cfg) -> list[str]:
 
 
 def build(data_cfg, reward_columns: dict[str, list[str]] | None = None):
-    """The `datasets.Dataset` of prompts (and answers) to train on; DataError names everything that does not fit,
-    the columns the rewards need (reward name -> columns) included."""
+    """The `datasets.Dataset` to train on; DataError names everything that does not fit, rewards' columns included."""
     ds = _build(data_cfg)
     found = []
     for reward, columns in (reward_columns or {}).items():

@@ -41,11 +41,8 @@ class NothingTrained(RuntimeError):
 
 
 def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
-    """Train one GRPO job as configured; returns the run directory. Every rank calls this.
-
-    A run directory that already holds this run is resumed from its newest checkpoint (`run.resume`, see
-    resilience/checkpoints.py); SIGTERM or Ctrl-C saves a checkpoint and exits non-zero (resilience/preemption.py).
-    """
+    """Train one GRPO job as configured; returns the run directory. Every rank calls this. A directory holding this
+    run resumes from its newest checkpoint (`run.resume`); SIGTERM or Ctrl-C saves a checkpoint and exits non-zero."""
     run_dir = Path(run_dir or hydra_internals.output_dir()).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     main = is_main_process()
@@ -92,8 +89,7 @@ def _refusals_recorded(run_dir: Path, main: bool):
 
 
 class _Training:
-    """What the training block and its bookkeeping share: the run record, the signal handler, the W&B run, and the
-    trainer once built."""
+    """What the training block and its bookkeeping share: run record, signal handler, W&B run, trainer once built."""
 
     def __init__(self, record: attempts.RunRecord, wandb_run):
         self.record, self.wandb_run = record, wandb_run
@@ -230,8 +226,7 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
 
 
 def _recording_rollouts(reward_fn, run_dir: Path):
-    """`reward_fn` that also appends each call's prompts and completions to rollouts.jsonl (to read what the policy
-    wrote, and to check that seeds replicate)."""
+    """`reward_fn` that also appends each call's prompts and completions to rollouts.jsonl."""
     writer = JsonlWriter(run_dir / run_files.ROLLOUTS)
 
     @functools.wraps(reward_fn)
@@ -360,8 +355,7 @@ def _close_process_group() -> None:
 
 
 def _explain_disk_full(exc: Exception, run_dir: Path, main: bool) -> disk_full.DiskFull | None:
-    """DiskFull for a run that ran out of space; rank 0 first removes the save it cut short, which frees the space
-    run.json needs to record the failure."""
+    """DiskFull for a run out of space; rank 0 removes the save it cut short, freeing room to record the failure."""
     last = checkpoints.latest(run_dir)
     full = disk_full.explain(exc, run_dir, last.path.name if last else "the start")
     if full is not None and main:

@@ -140,8 +140,7 @@ def _build_name(option: str) -> str:
 
 
 def _train_memory(directories, calibration: dict) -> None:
-    """The most a training GPU held while training with sleep mode: train_mem_gb of results.csv's one-GPU
-    colocate_sleep cases."""
+    """The most a training GPU held (train_mem_gb) in the one-GPU colocate_sleep cases of results.csv."""
     for d in directories:
         path = Path(d) / "results.csv"
         if not path.exists():

@@ -27,8 +27,7 @@ SHAPES = {
 
 
 def shape_for(params_b: float) -> Shape:
-    """The known shape of that size (within 5 %), else one scaled from the nearest known shape's KV bytes per
-    parameter."""
+    """The known shape of that size (within 5 %), else the nearest known shape scaled to it."""
     nearest = min(SHAPES.values(), key=lambda s: abs(s.params_b - params_b))
     if abs(nearest.params_b - params_b) <= 0.05 * params_b:
         return nearest
