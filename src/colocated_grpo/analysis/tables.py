@@ -1,10 +1,6 @@
-"""Runs and sweeps as rows of numbers, for tables, notebooks, figures and tests.
-
-A run directory is the source of truth (see run_files): its steady-state numbers come from `summary.json` when the
-run wrote one, else from `metrics.jsonl` (TRL's `step_time` after the first step, the growth of `num_tokens`, the last
-`reward`). A sweep directory holds one job directory per job, each with the launcher's `job.json` (overrides, status,
-exit code, the end of its log) and, once it ran, the run files; `load_sweep` makes one row per job, its placement
-(vLLM TP, gpu_memory_utilization, GPUs used) beside its numbers.
+"""Runs and sweeps as rows of numbers, for tables, notebooks, figures and tests: a run's steady-state numbers from its
+`summary.json`, else from its `metrics.jsonl` (the run directory is the source of truth, see run_files); `load_sweep`
+makes one row per job directory of a sweep (its `job.json` and, once it ran, its run files), placement beside numbers.
 """
 
 from __future__ import annotations

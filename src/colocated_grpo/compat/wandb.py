@@ -1,13 +1,9 @@
 """W&B's offline transaction log, which W&B does not document: `<wandb>/<offline-run-…-ID>/run-ID.wandb`, in LevelDB
 log format (32 KiB blocks of checksummed chunks) holding `wandb_internal_pb2.Record` messages. Reading it (and
-truncating it at a record boundary) is what lets a resumed run keep every step in W&B exactly once.
-
-Being undocumented, the format may change with any W&B release: the reader refuses (UnknownFormat) with a W&B outside
-the versions it was checked against (TESTED, the range pyproject.toml pins) or a log it does not recognise, and a
-resumed run then starts a new W&B run instead (resilience/attempts.py).
-
-Also: whether W&B holds credentials for its server, found as `wandb.init` finds them, without a prompt or a request
-(wandb's own `wbauth.authenticate_session`, not public API)."""
+truncating it at a record boundary) is what lets a resumed run keep every step in W&B exactly once. The format may
+change with any W&B release: the reader refuses (UnknownFormat) a W&B outside TESTED (the range pyproject.toml pins)
+or a log it does not recognise, and a resumed run then starts a new W&B run instead (resilience/attempts.py).
+Also: whether W&B holds credentials for its server (`missing_credentials`)."""
 
 from __future__ import annotations
 
@@ -114,7 +110,8 @@ def server() -> str:
 
 
 def missing_credentials() -> str | None:
-    """None when W&B has credentials for `server()`, else why not, in one sentence."""
+    """None when W&B has credentials for `server()`, else why not, in one sentence; found as `wandb.init` finds them,
+    without a prompt or a request (wandb's own `wbauth.authenticate_session`, not public API)."""
     from wandb.errors import AuthenticationError
     from wandb.sdk.lib import wbauth
 

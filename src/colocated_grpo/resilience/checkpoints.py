@@ -1,9 +1,6 @@
-"""Checkpoints and resume.
-
-A run directory is also the trainer's output directory, so checkpoints land in `<run_dir>/checkpoint-<step>`.
-Running again with the same `hydra.run.dir` continues the run (`run.resume=auto`): from the newest complete
-checkpoint, with the same config (bar MAY_CHANGE), the run files cut back to it (every step once) and the same W&B run.
-"""
+"""Checkpoints and resume: checkpoints land in `<run_dir>/checkpoint-<step>` (the run directory is the trainer's
+output directory); running again with the same `hydra.run.dir` continues the run (`run.resume=auto`) from the newest
+complete checkpoint, with the same config (bar MAY_CHANGE), the run files cut back to it and the same W&B run."""
 
 from __future__ import annotations
 

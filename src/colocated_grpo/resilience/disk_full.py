@@ -1,9 +1,5 @@
-"""A run that fails because its disk is full: said in one line, with the directory and the space left.
-
-A full disk shows up as an OSError with errno ENOSPC (or EDQUOT) or a RuntimeError from torch's checkpoint writer,
-often chained. The runner turns any of them into DiskFull and removes the save cut short (which frees the room
-run.json needs); the same command resumes once there is space.
-"""
+"""A run that fails because its disk is full (an OSError with errno ENOSPC or EDQUOT, or torch's checkpoint writer
+failing, often chained): said in one line, with the directory and the space left; the same command resumes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Stop cleanly on SIGTERM (SLURM preemption; torchrun forwards it to every worker) and on Ctrl-C (SIGINT).
-
-The handler only records the signal. At the end of the step every rank learns whether any rank got one (an
-all-reduce), and together they save a checkpoint and stop; the runner exits with 128 + the signal number and says how
-to resume. A second signal stops at once, without a checkpoint, unless it comes within REPEAT_WINDOW_S (the same
-Ctrl-C delivered twice: by the terminal and by torchrun).
-"""
+"""Stop cleanly on SIGTERM (SLURM preemption; torchrun forwards it to every worker) and on Ctrl-C (SIGINT): the
+handler only records the signal; at the end of the step every rank learns whether any rank got one (an all-reduce),
+and together they save a checkpoint and stop; the runner exits with 128 + the signal number and says how to resume.
+A second signal stops at once, without a checkpoint, unless it comes within REPEAT_WINDOW_S (the same Ctrl-C
+delivered twice: by the terminal and by torchrun)."""
 
 from __future__ import annotations
 

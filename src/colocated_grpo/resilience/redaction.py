@@ -1,8 +1,6 @@
-"""Keep credentials out of everything a run writes (config.yaml, run.json, W&B config, Hydra's .hydra/ files).
-
-Two rules: a value under a key that names a credential (`api_key`, `hub_token`, `password`, ...) is replaced, and
-any occurrence of the value of a credential-like environment variable (WANDB_API_KEY, HF_TOKEN, ...) is replaced
-wherever it appears, e.g. inside a command line.
+"""Keep credentials out of everything a run writes (config.yaml, run.json, W&B config, Hydra's .hydra/ files): a
+value under a key that names a credential (`api_key`, `hub_token`, `password`, ...) is replaced, and so is any
+occurrence of a credential-like environment variable's value (WANDB_API_KEY, HF_TOKEN, ...), e.g. in a command line.
 """
 
 from __future__ import annotations
