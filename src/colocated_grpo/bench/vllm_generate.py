@@ -26,6 +26,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from statistics import fmean
 
 import psutil
 
@@ -111,9 +112,9 @@ def main(argv=None, prog: str | None = None) -> None:
             results.append({"prompts": batch, "outputs": outputs, **_time(llm, prompts, params, args.repeats)})
             r = results[-1]
             print(
-                f"{batch} × {args.completion}, outputs {outputs}: {_mean(r['tokens_per_s']):,.0f} tokens/s "
+                f"{batch} × {args.completion}, outputs {outputs}: {fmean(r['tokens_per_s']):,.0f} tokens/s "
                 f"(repeats {', '.join(f'{x:,.0f}' for x in r['tokens_per_s'])}; log-prob parse "
-                f"{_mean(r['parse_s']) * 1e3:.1f} ms), mem {args.mem}, TP {args.tp}",
+                f"{fmean(r['parse_s']) * 1e3:.1f} ms), mem {args.mem}, TP {args.tp}",
                 flush=True,
             )
     _print_shares(results)
@@ -144,16 +145,12 @@ def _time(llm, prompts, params, repeats: int) -> dict:
     return {"tokens_per_s": rates, "parse_s": parse}
 
 
-def _mean(values) -> float:
-    return sum(values) / len(values)
-
-
 def _print_shares(results: list[dict]) -> None:
     """Each variant's rate as a share of the no-log-prob rate at the same batch size."""
-    base = {r["prompts"]: _mean(r["tokens_per_s"]) for r in results if r["outputs"] == "none"}
+    base = {r["prompts"]: fmean(r["tokens_per_s"]) for r in results if r["outputs"] == "none"}
     for r in results:
         if r["prompts"] in base and r["outputs"] != "none":
-            share = _mean(r["tokens_per_s"]) / base[r["prompts"]]
+            share = fmean(r["tokens_per_s"]) / base[r["prompts"]]
             r["share_of_none"] = share
             print(f"{r['prompts']} sequences, outputs {r['outputs']}: {share:.0%} of the no-log-prob rate")
 

@@ -212,20 +212,16 @@ def _load_source(data_cfg):
     import datasets
 
     try:
-        if data_cfg.source == "local":
-            files = _files(data_cfg)
-            builder = READERS.get(files[0].rsplit(".", 1)[-1].lower())
+        files = _files(data_cfg) if data_cfg.source == "local" else None
+        if files is None and (file := Path(str(data_cfg.path)).expanduser()).is_file():
+            if file.stat().st_size == 0:
+                raise DataError([f"data.path={str(data_cfg.path)!r} is empty: it holds no rows"])
+            files = [str(file)]  # one data file: read as data=local reads its files
+        if files is not None:  # data files, read by their extension (split: train)
+            builder = READERS.get(files[0].rsplit(".", 1)[-1].lower(), "json")
             ds = datasets.load_dataset(builder, data_files=files, split="train")
         else:
-            path = str(data_cfg.path)
-            file = Path(path).expanduser()
-            if file.is_file() and file.stat().st_size == 0:
-                raise DataError([f"data.path={path!r} is empty: it holds no rows"])
-            if file.is_file():  # one data file: read it as data=local would (split: train)
-                builder = READERS.get(path.rsplit(".", 1)[-1].lower(), "json")
-                ds = datasets.load_dataset(builder, data_files=[str(file)], split="train")
-            else:
-                ds = datasets.load_dataset(path, data_cfg.get("name"), split=data_cfg.split)
+            ds = datasets.load_dataset(str(data_cfg.path), data_cfg.get("name"), split=data_cfg.split)
     except DataError:
         raise
     except Exception as exc:
