@@ -86,13 +86,7 @@ def architecture(model_cfg, network: bool = False) -> Architecture | None:
         )
     published = model_cfg.get("published")
     if published and str(published.get("id")) == str(model_cfg.name_or_path):
-        return Architecture(
-            int(published.num_attention_heads),
-            int(published.get("num_key_value_heads") or published.num_attention_heads),
-            published.get("vocab_size"),
-            published.get("max_position_embeddings"),
-            f"the published config of {published.id} (model.published)",
-        )
+        return _from_config(published, f"the published config of {published.id} (model.published)")
     if network:
         from huggingface_hub import hf_hub_download
 
@@ -116,15 +110,14 @@ def local_config_json(model_cfg) -> Path | None:
 
 def _from_config_json(path: Path) -> Architecture:
     config = json.loads(path.read_text())
-    config = config.get("text_config", config)  # multimodal models keep the language model's settings there
+    return _from_config(config.get("text_config", config), str(path))  # multimodal models: the language model's
+
+
+def _from_config(config, source: str) -> Architecture:
+    """The architecture of a config.json's keys (or a preset's `published` ones)."""
     heads = int(config["num_attention_heads"])
-    return Architecture(
-        heads,
-        int(config.get("num_key_value_heads") or heads),
-        config.get("vocab_size"),
-        config.get("max_position_embeddings"),
-        str(path),
-    )
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return Architecture(heads, kv_heads, config.get("vocab_size"), config.get("max_position_embeddings"), source)
 
 
 def attention_heads(model_cfg) -> tuple[int, int]:
