@@ -68,10 +68,11 @@ class RunRecord:
             "attempts": [*attempts, self.attempt],
         }
 
-    def start(self, wandb_run) -> None:
+    def start(self, wandb_run, **fields) -> None:
+        """The attempt has started: its W&B run, and what else is known by now (fields that are None left out)."""
         if wandb_run is not None:
             self.data["wandb_id"] = wandb_run.id
-        self._save()
+        self.note(**{key: value for key, value in fields.items() if value is not None})
 
     def note(self, **fields) -> None:
         """Add what is known only once training is set up (e.g. how accelerate distributes the model)."""

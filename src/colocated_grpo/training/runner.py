@@ -134,11 +134,8 @@ def _recorded(
         attempts.prepare_run_dir(cfg, run_dir, resume)
     with _refusals_recorded(run_dir, main):  # W&B refused (e.g. a key its server rejects): run.json says so
         wandb_run, wandb_outcome = wandb_logging.start(cfg, run_dir, metadata, resume) if main else (None, None)
-    record.start(wandb_run)
-    if wandb_outcome is not None:  # the mode asked for and the one it logs in (offline when the server did not answer)
-        record.note(wandb=wandb_outcome)
-    if prepared.prompts is not None:
-        record.note(prompts=prepared.prompts)  # how long the prompts are, and what was dropped or truncated
+    # W&B's mode asked for and used (offline when its server did not answer); the prompts' lengths and what was cut
+    record.start(wandb_run, wandb=wandb_outcome, prompts=prepared.prompts)
 
     training = _Training(record, wandb_run)
     stopper = training.stopper
