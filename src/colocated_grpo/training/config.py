@@ -396,9 +396,7 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         kwargs.setdefault("use_cpu", True)
     kwargs.setdefault("model_init_kwargs", {}).setdefault("dtype", cfg.model.get("dtype", "auto"))
     # Our generation settings go under the user's own trainer.generation_kwargs, which win.
-    ours = {}
-    if cfg.run.fixed_completion_length:
-        ours.update(fixed_length_kwargs(kwargs))
+    ours = fixed_length_kwargs(kwargs) if cfg.run.fixed_completion_length else {}
     users = kwargs.get("generation_kwargs") or {}
     if stops := _stop_strings(users):
         users["stop"] = stops
