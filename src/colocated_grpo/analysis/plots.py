@@ -70,8 +70,7 @@ def throughput_heatmap(jobs, metric: str = "perf/tokens_per_s_per_gpu", higher_i
             fig.colorbar(image, ax=ax, label=metric)
         ax.set_xticks(range(len(means.columns)), [f"{m:g}" for m in means.columns])
         ax.set_yticks(range(len(means.index)), [str(t) for t in means.index])
-        ax.set_xlabel("vllm_gpu_memory_utilization")
-        ax.set_ylabel("vllm_tensor_parallel_size")
+        ax.set(xlabel="vllm_gpu_memory_utilization", ylabel="vllm_tensor_parallel_size")
         ax.set_title(f"{placement}: {metric}", fontsize=10)
     return fig
 
@@ -105,10 +104,7 @@ def peak_memory(jobs) -> Figure:
     for (placement, tp), line in measured.groupby(["placement", TP], sort=True):
         line = line.groupby(MEMORY)["memory/peak_gb"].mean().sort_index()
         ax.plot(line.index, line.values, marker="o", label=f"{placement}, TP {int(tp)}")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("vllm_gpu_memory_utilization")
-    ax.set_ylabel("peak GPU memory (GB, any GPU)")
+    ax.set(xlim=(0, 1), ylim=(0, None), xlabel="vllm_gpu_memory_utilization", ylabel="peak GPU memory (GB, any GPU)")
     ax.set_title("peak memory vs gpu_memory_utilization")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -133,8 +129,7 @@ def colocate_vs_server(jobs) -> Figure:
     ax.bar([i - 0.2 for i in x], per_gpu, width=0.4, label="per GPU used", color="#4C72B0")
     ax.bar([i + 0.2 for i in x], per_train, width=0.4, label="per training GPU", color="#DD8452")
     ax.set_xticks(list(x), [f"{r['placement']}\n{_gpus(r)}\n{_job_label(r)}" for _, r in best.iterrows()], fontsize=8)
-    ax.set_xlim(-0.8, len(best) - 0.2)
-    ax.set_ylabel("tokens/s")
+    ax.set(xlim=(-0.8, len(best) - 0.2), ylabel="tokens/s")
     ax.legend(fontsize=8)
     server = best[best["placement"] == "server"]
     colocated = best[best["placement"].isin(COLOCATED)]
@@ -213,8 +208,7 @@ def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figur
             rank = gpu["rank"].mode().iloc[0]
             _shade_phases(ax, phases[phases["rank"] == rank], origin, 100)
             ax.plot(gpu["t"] - origin, gpu["util"], drawstyle="steps-post", color="black", linewidth=1)
-            ax.set_ylim(0, 105)
-            ax.set_ylabel(f"GPU {row}\nutil %")
+            ax.set(ylim=(0, 105), ylabel=f"GPU {row}\nutil %")
             memory = ax.twinx()
             memory.plot(gpu["t"] - origin, gpu["mem_gb"], color="#C44E52", linestyle="--", linewidth=1)
             memory.set_ylim(0, max(1.0, gpu["mem_gb"].max() * 1.1))
@@ -269,8 +263,7 @@ def training_curves(metrics) -> Figure:
         length_ax.legend(fontsize=8)
     else:
         _note(length_ax, "no completion lengths logged")
-    length_ax.set_ylabel("completion length (tokens)")
-    length_ax.set_xlabel(STEP_KEY)
+    length_ax.set(ylabel="completion length (tokens)", xlabel=STEP_KEY)
     length_ax.grid(alpha=0.3)
     return fig
 
@@ -367,8 +360,7 @@ def _stack_phases(ax, frame, labels=None) -> None:
         ax.set_xlabel("seconds per step (steady state)")
     else:
         ax.margins(y=0.12)
-        ax.set_xlabel(STEP_KEY)
-        ax.set_ylabel("seconds")
+        ax.set(xlabel=STEP_KEY, ylabel="seconds")
     ax.legend(fontsize=8, loc="best")
 
 

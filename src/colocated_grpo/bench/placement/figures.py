@@ -50,10 +50,7 @@ def validation(table: list[dict]):
                     color=color,
                     label=f"{placement}{' (in-sample, 1 GPU)' if in_sample else ' (multi-GPU)'}",
                 )
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
-    ax.set_xlabel("measured step time, s")
-    ax.set_ylabel("predicted step time, s")
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured step time, s", ylabel="predicted step time, s")
     ax.set_title("placement model: predicted vs measured (lines: 0, ±10 %, ±20 %)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
