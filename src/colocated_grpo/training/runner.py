@@ -57,7 +57,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         _refuse_gpu_only_settings_without_gpu(cfg)
         wandb_logging.refuse_online_without_credentials(cfg)
         resume = checkpoints.plan(cfg, run_dir, main)  # refused before the data is built (its run.json is kept)
-        prepared = preflight.prepare(cfg, run_dir, report_to(cfg))  # the dataset, prompt lengths, TRL's own rules
+        report_to = ["wandb"] if cfg.logger.backend == "wandb" and main else []  # TRL logs to W&B from rank 0
+        prepared = preflight.prepare(cfg, run_dir, report_to)  # the dataset, prompt lengths, TRL's own rules
     resume_command = attempts.resume_command(run_dir)  # before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE
     _prepare_environment(cfg)
 
@@ -267,10 +268,6 @@ def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
     if offline:
         lines.append(f"  W&B, offline; upload with: wandb sync {offline[-1]}")
     return "\n".join(lines)
-
-
-def report_to(cfg: DictConfig) -> list[str]:
-    return ["wandb"] if cfg.logger.backend == "wandb" and is_main_process() else []
 
 
 # The rendezvous of a plain `python train.py`: this process hosts the `env://` store itself, as torchrun's agent does,
