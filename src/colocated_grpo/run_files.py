@@ -60,8 +60,7 @@ class JsonlWriter:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write atomically and durably (a temp file beside it, fsynced, renamed over it): a reader sees the old file or
-    the new one, never half of one; a failed write leaves the old file and no temp file."""
+    """Write atomically and durably (a temp file beside it, fsynced, renamed over it; removed if the write fails)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:

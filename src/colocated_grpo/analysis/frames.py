@@ -43,8 +43,7 @@ def load_gpu_samples(run_dir: str | Path):
 
 
 def load_phases(run_dir: str | Path):
-    """What each rank did when: one row per phase interval (PHASE_COLUMNS), adjacent pieces of one phase merged.
-    From phases.jsonl, else from the GPU samples' phase labels (older runs); empty when there is neither."""
+    """Each rank's phase intervals (PHASE_COLUMNS), pieces merged: from phases.jsonl, else the samples' labels."""
     import pandas as pd
 
     path = Path(run_dir) / run_files.PHASES

@@ -157,8 +157,7 @@ def sweep_figures(jobs) -> dict[str, Figure]:
 
 
 def study_figure(table) -> Figure:
-    """A study's results (study.COLUMNS): per model, each case's step time stacked by phase and its tokens/s per
-    GPU used with the speed-up over the study's baseline."""
+    """A study's results (study.COLUMNS), per model: each case's step time by phase, tokens/s per GPU and speed-up."""
     models = list(dict.fromkeys(table["model"]))
     fig = Figure(figsize=(13.0, 1.2 + 0.42 * len(table)), layout="constrained")
     heights = [max(1, (table["model"] == m).sum()) for m in models] or [1]

@@ -141,8 +141,7 @@ def read_flat_logprobs(outputs):
 
 
 def install_flat_logprob_reader() -> None:
-    """TRL's colocated generation parses the engine's outputs with read_flat_logprobs (same values, for every
-    trainer of this process; it reads TRL's own outputs only when they are flat with one entry per position)."""
+    """TRL's colocated generation parses the engine's outputs with read_flat_logprobs (for every trainer here)."""
     import trl.generation.vllm_generation as vllm_generation
 
     if getattr(vllm_generation.extract_logprobs, "trl_original", None) is None:

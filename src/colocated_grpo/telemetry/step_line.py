@@ -43,8 +43,7 @@ def format_line(step: int, max_steps: int, m: dict) -> str:
 
 
 class StepLine(TrainerCallback):
-    """Prints each logged step's line on rank 0; writes it with the trainer's whole dict to the log files. Reads the
-    record MetricsFileCallback (registered before it) has just written: TRL's logs merged with the telemetry."""
+    """Prints each logged step's line (rank 0), logged with the trainer's dict; reads MetricsFileCallback's record."""
 
     def __init__(self, metrics_file):
         self.metrics_file = metrics_file

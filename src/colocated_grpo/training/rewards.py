@@ -78,8 +78,7 @@ def length(
 
 @register
 def length_chars(completions: list[str], target: int = 20, **_) -> list[float]:
-    """-|target - characters|: 0 at exactly `target` characters, one point less per character off (TRL's GRPO
-    example reward, `-abs(20 - len(completion))`)."""
+    """-|target - characters| (TRL's GRPO example reward, `-abs(20 - len(completion))`)."""
     return [-float(abs(target - len(text))) for text in completions]
 
 

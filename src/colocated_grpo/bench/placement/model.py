@@ -206,8 +206,7 @@ def _model_quantities(calibration: dict, params_b: float) -> dict:
 
 
 def _filled(entry: dict, models: list[dict]) -> dict:
-    """A calibrated model's quantities, the ones it lacks (sleep/wake, training memory) taken from the nearest model
-    that has them (training memory scaled by parameters)."""
+    """A calibrated model's quantities, those it lacks (sleep/wake, training memory) from the nearest model."""
     entry = dict(entry)
     if entry.get("sleep_wake_s") is None:
         entry["sleep_wake_s"] = next((e["sleep_wake_s"] for e in models if e.get("sleep_wake_s") is not None), 0.0)
