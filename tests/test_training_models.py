@@ -66,7 +66,8 @@ def test_architecture_comes_from_config_json_shape_or_declaration(tmp_path):
     assert (arch.num_attention_heads, arch.num_key_value_heads, arch.vocab_size) == (28, 4, 152064)
     published = {"id": "Qwen/Qwen2.5-1.5B-Instruct", "num_attention_heads": 12, "num_key_value_heads": 2}
     preset = OmegaConf.create({"name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "build": None, "published": published})
-    assert models.attention_heads(preset) == (12, 2)
+    arch = models.architecture(preset, network=True)
+    assert (arch.num_attention_heads, arch.num_key_value_heads) == (12, 2)
     # Another model in name_or_path: the preset's declaration says nothing about it; its own config.json counts.
     path = models.build("tiny", tmp_path / "tiny")
     preset.name_or_path = str(path)

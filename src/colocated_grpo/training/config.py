@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.resilience.checkpoints import RESUME_MODES
 from colocated_grpo.training import data, field_types, models, rewards
-from colocated_grpo.training.models import SHAPES, attention_heads
+from colocated_grpo.training.models import SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -362,14 +362,14 @@ def _heads_problems(model: DictConfig, tp: int, key: str) -> list[str]:
     if tp < 1 or OmegaConf.is_missing(model, "name_or_path") or _model_problems(model):
         return []  # reported elsewhere
     try:
-        heads, kv_heads = attention_heads(model)
+        arch = models.architecture(model, network=True)  # without loading weights; the hub is asked last
     except Exception as exc:  # an unreachable hub id: say so instead of failing later inside vLLM
         return [
             f"model.name_or_path={model.name_or_path!r}: cannot read its config.json ({type(exc).__name__}: {exc}); "
             "give a local model directory or a hub id (org/name) that exists and is reachable from here"
         ]
     problems = []
-    for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
+    for what, n in (("attention heads", arch.num_attention_heads), ("KV heads", arch.num_key_value_heads)):
         if n % tp:
             problems.append(
                 f"{key}={tp} must divide the model's {n} {what} ({model.name_or_path}); use one of {_divisors(n)}"

@@ -120,12 +120,6 @@ def _from_config(config, source: str) -> Architecture:
     return Architecture(heads, kv_heads, config.get("vocab_size"), config.get("max_position_embeddings"), source)
 
 
-def attention_heads(model_cfg) -> tuple[int, int]:
-    """(attention heads, KV heads) without loading weights (see `architecture`; the hub is asked last)."""
-    arch = architecture(model_cfg, network=True)
-    return arch.num_attention_heads, arch.num_key_value_heads
-
-
 def build(shape_name: str, target: Path) -> Path:
     """Build a random-weight Qwen2 of the named shape into `target` once; later calls reuse it. Safe under torchrun:
     ranks take a file lock, and the model is built beside the target, then renamed into place."""
