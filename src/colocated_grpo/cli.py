@@ -1,10 +1,7 @@
 """`colocated-grpo COMMAND …`: the project's tools under one command (training itself is `python train.py`).
 
 Each command is a module's own `main(argv, prog)`, so `python -m colocated_grpo.…` runs the same thing; given the
-prog name `colocated-grpo COMMAND`, its `--help` prints that command's options under that name. Commands that run
-training (study run, bench-telemetry) need a checkout's train.py and conf/: run them from the checkout, or set
-COLOCATED_GRPO_CHECKOUT.
-"""
+prog name `colocated-grpo COMMAND`, its `--help` prints that command's options under that name."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The run-directory contract: the name of every file a run, a sweep job or a sweep writes, the step key that
-joins them, and their JSON / JSONL I/O. The local files are the source of truth for a run; W&B mirrors them.
-"""
+joins them, and their JSON / JSONL I/O. The local files are the source of truth for a run; W&B mirrors them."""
 
 from __future__ import annotations
 

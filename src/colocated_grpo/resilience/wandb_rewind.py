@@ -1,11 +1,6 @@
-"""The W&B side of a resumed run: the same run id, every step logged once, none missing.
-
-Each attempt writes a W&B segment (a transaction log, read by compat/wandb.py); `wandb sync` uploads offline
-segments later, in order, as one run. When a process is killed:
-- steps it logged after its last checkpoint would be logged twice: `rewind` cuts offline segments back to the moment
-  that checkpoint was saved (online segments are on the server already: their extra rows are reported);
-- its last steps may never have reached the log: `backfill` logs those metrics.jsonl has into the new segment.
-"""
+"""The W&B side of a resumed run: the same run id, every step logged once, none missing. Each attempt writes a W&B
+segment (a transaction log, compat/wandb.py) that `wandb sync` uploads in order as one run; after a kill, `rewind`
+cuts the rows logged after the last checkpoint and `backfill` logs the steps that never reached the log."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Phase marks: which part of a GRPO step each moment of wall-clock time belongs to.
-
-Phases nest (sync_weights inside generate inside TRL's training_step); time goes to the innermost open phase, else
-to `other`. Each step's segments cover it exactly, so the phase durations add up to the step time.
-"""
+"""Phase marks: which part of a GRPO step each moment of wall-clock time belongs to. Phases nest (sync_weights
+inside generate inside TRL's training_step); time goes to the innermost open phase, else to `other`, so each step's
+segments cover it exactly and the phase durations add up to the step time."""
 
 from __future__ import annotations
 
