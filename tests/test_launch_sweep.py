@@ -406,10 +406,11 @@ def test_slurm_tasks_get_one_sbatch_job_and_a_torchrun_per_node(tmp_path, monkey
 
 def test_two_slurm_tasks_form_one_multi_node_torchrun(run_env, tmp_path):
     """What the two tasks of a 2-node SLURM job run, both on this machine: each starts torchrun for its node with
-    the rendezvous taken from SLURM's environment, and the two meet as one world of 2 ranks that trains."""
+    the rendezvous taken from SLURM's environment, and the two meet as one world of 2 ranks that trains (the
+    launcher's plumbing: no engine needed)."""
     job = sweep_plan.Job(
         0,
-        ["trainer.max_steps=1", "trainer.per_device_train_batch_size=2", "logger=none"],
+        ["trainer.max_steps=1", "trainer.per_device_train_batch_size=2", "logger=none", "placement=none"],
         [],
         str(tmp_path / "sweep" / "0_two_nodes"),
         nproc_per_node=1,
@@ -451,7 +452,8 @@ def test_submitit_local_executor_runs_a_job_through_the_slurm_code_path(run_swee
     proc, sweep_dir = run_sweep(
         "hydra/launcher=torchrun_submitit_local",
         "logger=none",
-        "trainer.vllm_tensor_parallel_size=1,2",
+        "placement=none",  # the launcher's plumbing: no engine needed
+        "trainer.per_device_train_batch_size=4,3",  # 3 completions cannot be groups of 4: skipped before launch
         "trainer.max_steps=1",
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
