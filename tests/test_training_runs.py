@@ -227,7 +227,7 @@ TRL_DEFAULTS = ("placement.fast_outputs=false", "placement.fast_sync=false")
 def test_fast_outputs_and_sync_change_no_token_log_prob_or_loss(train, moving_run, tp2_run, ranks, tmp_path):
     """Our defaults against TRL's request and sync, same seed, a moving policy: 1 rank, and 2 ranks with TP 2."""
     if ranks == 1:
-        fast, plain = moving_run, train(*MOVING, *TRL_DEFAULTS)
+        fast, plain = moving_run, train(*MOVING, *TRL_DEFAULTS, "logger=none")  # W&B changes no token
     else:
         fast, plain = tp2_run, train(*TP2, *TRL_DEFAULTS, nproc=2, env={"TOKEN_RECORD_DIR": str(tmp_path)})
     assert "fast_outputs: true" in (fast.dir / "config.yaml").read_text()
@@ -284,7 +284,8 @@ def test_two_plain_runs_started_together_both_train(run_env, tmp_path):
     """TRL's fixed-port choice made the second of two runs started at once die after its model loaded
     (EADDRINUSE on 29500)."""
     cmds = [
-        [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={tmp_path / str(i)}", "trainer.max_steps=1"] for i in (0, 1)
+        [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={tmp_path / str(i)}", "trainer.max_steps=1", "logger=none"]
+        for i in (0, 1)
     ]
     procs = [start_own_session(c, tmp_path, run_env) for c in cmds]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
