@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from colocated_grpo import run_files
@@ -222,10 +223,8 @@ def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figur
         _annotate(axes[0], str(step), (start, 1), (2, 2), xycoords=("data", "axes fraction"), fontsize=7, va="bottom")
     handles = [Patch(color=PHASE_COLORS[p], alpha=0.5, label=p) for p in PHASES if p in set(phases.get("phase", []))]
     if len(samples):
-        handles += [
-            axes[0].plot([], [], color="black", label="util %")[0],
-            axes[0].plot([], [], color="#C44E52", linestyle="--", label="memory GB")[0],
-        ]
+        util = Line2D([], [], color="black", label="util %")
+        handles += [util, Line2D([], [], color="#C44E52", linestyle="--", label="memory GB")]
         title = "GPU utilisation per GPU, phases shaded (step numbers on top)"
     else:
         title = f"{NO_NVML}: the phases of each rank (step numbers on top)"

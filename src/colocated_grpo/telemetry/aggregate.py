@@ -52,9 +52,8 @@ def step_metrics(
     reports: list[RankReport], n_params: int | None = None, peak_tflops_per_gpu: float | None = None
 ) -> dict[str, float]:
     """Metrics of one step from all ranks' reports (names: the metrics table of docs/telemetry.md)."""
-    metrics: dict[str, float] = {}
     step_s = _mean(r.phases.duration for r in reports)
-    metrics["timing_s/step"] = step_s
+    metrics = {"timing_s/step": step_s}
     per_rank = [r.phases.durations() for r in reports]
     for phase in PHASES:
         metrics[f"timing_s/{phase}"] = _mean(d[phase] for d in per_rank)
