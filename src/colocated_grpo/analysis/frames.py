@@ -16,8 +16,7 @@ PHASE_COLUMNS = (STEP_KEY, "rank", "phase", "start", "end")
 def newest_dir(name: str) -> Path:
     """The most recently changed directory in NAME/ (`sweeps`, `outputs/runs`), here or one level up (notebooks/)."""
     for root in (Path(name), Path("..") / name):
-        dirs = [p for p in root.glob("*") if p.is_dir()]
-        if dirs:
+        if dirs := [p for p in root.glob("*") if p.is_dir()]:
             return max(dirs, key=lambda p: p.stat().st_mtime)
     raise FileNotFoundError(f"no directory in {name}/ nor in ../{name}/: say which one to read")
 

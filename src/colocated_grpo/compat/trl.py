@@ -57,8 +57,7 @@ def install_phase_hooks(trainer, tracker, tokens) -> None:
     _wrap(trainer, "_calculate_rewards", tracker, "reward")
     if hasattr(trainer, "_clip_grad_norm"):
         _wrap(trainer, "_clip_grad_norm", tracker, "train")
-    generation = getattr(trainer, "vllm_generation", None)
-    if generation is not None:
+    if (generation := getattr(trainer, "vllm_generation", None)) is not None:
         _wrap(generation, "sync_weights", tracker, "sync_weights")
         llm = getattr(generation, "llm", None)  # the in-process engine: colocate only
         if llm is not None and getattr(generation, "enable_sleep_mode", False):

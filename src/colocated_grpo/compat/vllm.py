@@ -78,8 +78,7 @@ def run_eagerly() -> dict:
 
     for module_name, name in COMPILED_SAMPLER_HELPERS:
         module = importlib.import_module(module_name)
-        eager = getattr(getattr(module, name, None), "_torchdynamo_orig_callable", None)
-        if eager is not None:
+        if (eager := getattr(getattr(module, name, None), "_torchdynamo_orig_callable", None)) is not None:
             setattr(module, name, eager)
     return dict(EAGER_ENGINE_KWARGS)
 

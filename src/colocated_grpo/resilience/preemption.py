@@ -77,8 +77,7 @@ class StopOnSignal(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._steps_done = state.global_step
-        signum = _max_over_ranks(self.signum or 0, args)
-        if signum:
+        if signum := _max_over_ranks(self.signum or 0, args):
             self.signum = self.signum or signum
             self.stopped_at = state.global_step
             control.should_save = control.should_training_stop = True

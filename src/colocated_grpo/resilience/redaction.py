@@ -67,6 +67,5 @@ def scrub_files(directory: Path) -> None:
     secrets = secret_values()
     for path in Path(directory).glob("*.yaml"):
         text = path.read_text()
-        clean = redact_text(text, secrets)
-        if clean != text:
+        if (clean := redact_text(text, secrets)) != text:
             write_text(path, clean)

@@ -30,8 +30,7 @@ class DataError(ValueError):
 
 def arithmetic_problems(num_samples: int, max_operand: int, operations, seed: int) -> list[dict]:
     """Deterministic two-operand problems: [{"question": "37 + 5", "answer": "42"}, ...]."""
-    unknown = set(operations) - set(OPERATIONS)
-    if unknown:
+    if unknown := set(operations) - set(OPERATIONS):
         raise ValueError(f"data.operations has unknown {sorted(unknown)}; choose from {sorted(OPERATIONS)}")
     rng = random.Random(seed)
     problems = []
@@ -112,8 +111,7 @@ def column_problems(data_cfg, source_columns: list[str] | None, reward_columns: 
 
 def _option_problems(data_cfg) -> list[str]:
     found = []
-    policy = data_cfg.get("overlong_prompts", "fail")
-    if policy not in OVERLONG:
+    if (policy := data_cfg.get("overlong_prompts", "fail")) not in OVERLONG:
         found.append(f"data.overlong_prompts={policy!r} must be one of {list(OVERLONG)}")
     for key, what in (("max_prompt_tokens", "tokens, or null"), ("num_samples", "rows, or null for all")):
         value = data_cfg.get(key)
@@ -140,8 +138,7 @@ def _file_problems(data_cfg) -> list[str]:
         return []  # reported with the other missing values
     found = []
     for f in _files(data_cfg):
-        suffix = f.rsplit(".", 1)[-1].lower()
-        if suffix not in READERS:
+        if (suffix := f.rsplit(".", 1)[-1].lower()) not in READERS:
             found.append(f"data.files={f!r}: cannot read '.{suffix}' files; use json, jsonl, parquet or csv")
         elif "://" not in f and not Path(f).expanduser().is_file():
             found.append(f"data.files={f!r}: no such file (give an existing json, jsonl, parquet or csv file)")

@@ -76,8 +76,7 @@ def architecture(model_cfg, network: bool = False) -> Architecture | None:
     """The model's architecture, from the first of: its config.json (a local directory, a built model that exists, a
     hub id already in the Hugging Face cache), the builder's shape, what the preset declares for its own hub id
     (`published`, ignored once name_or_path names another model), and, with `network`, the hub. None: unknown."""
-    path = local_config_json(model_cfg)
-    if path is not None:
+    if (path := local_config_json(model_cfg)) is not None:
         return _from_config_json(path)
     if model_cfg.get("build"):
         s = SHAPES[model_cfg.build]

@@ -85,8 +85,7 @@ def _too_few_prompts(cfg: DictConfig, rows: int, args) -> list[str]:
         fixes = [f"data.num_samples={needed} or more"]
     elif cfg.data.get("num_samples") is not None:
         fixes.append("data.num_samples=null (every row)")
-    largest = rows * args.num_generations // (processes * args.steps_per_generation)
-    if largest >= 1:
+    if (largest := rows * args.num_generations // (processes * args.steps_per_generation)) >= 1:
         fixes.append(f"trainer.per_device_train_batch_size={largest} or less")
     return [
         f"data: the dataset holds {rows} prompt(s), but one step needs {needed} distinct prompts "

@@ -80,8 +80,7 @@ def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> d
                 by_batch[j.completions].append(j.completions * j.completion_tokens / j.phases["generate"])
         if by_batch:
             entry["generate"][name] = [[b, statistics.mean(r)] for b, r in sorted(by_batch.items())]
-        sync = [j.phases["sync_weights"] for j in jobs if j.fast_sync == fast and j.phases["sync_weights"]]
-        if sync:
+        if sync := [j.phases["sync_weights"] for j in jobs if j.fast_sync == fast and j.phases["sync_weights"]]:
             entry["sync_s"][name] = statistics.mean(sync)
     sleep = [j.phases["sleep_wake"] for j in jobs if j.placement == "colocate_sleep"]
     entry["sleep_wake_s"] = statistics.mean(sleep) if sleep else None

@@ -41,8 +41,7 @@ def validation(table: list[dict]):
             ax.plot([0, top], [0, top * (1 + sign * share)], "k" + style, lw=0.7)
     for in_sample, marker in ((False, "o"), (True, "x")):
         for placement, color in (("colocate", "tab:blue"), ("colocate_sleep", "tab:green"), ("server", "tab:red")):
-            chosen = [r for r in rows if r["in_sample"] == in_sample and r["placement"] == placement]
-            if chosen:
+            if chosen := [r for r in rows if r["in_sample"] == in_sample and r["placement"] == placement]:
                 ax.scatter(
                     [r["measured_s"] for r in chosen],
                     [r["predicted_s"] for r in chosen],

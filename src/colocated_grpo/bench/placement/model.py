@@ -150,8 +150,7 @@ def _model_quantities(calibration: dict, params_b: float) -> dict:
     """The calibration's quantities for a model of `params_b`: a calibrated model's own (within 5 %), else each
     interpolated linearly in parameters between the two nearest calibrated models (flagged)."""
     models = sorted(calibration["models"].values(), key=lambda e: e["params_b"])
-    exact = [e for e in models if abs(e["params_b"] - params_b) <= 0.05 * params_b]
-    if exact:
+    if exact := [e for e in models if abs(e["params_b"] - params_b) <= 0.05 * params_b]:
         entry = _filled(exact[0], models)
         return {**entry, "server_curve": _server_curve(entry), "flags": []}
     if len(models) == 1:
