@@ -273,8 +273,7 @@ def step_phases(metrics) -> Figure:
     if "timing_s/step" not in metrics or metrics["timing_s/step"].isna().all():
         _note(ax, "no step timings logged (telemetry off?)")
         return fig
-    timed = metrics[metrics["timing_s/step"].notna()]
-    _stack_phases(ax, timed)
+    _stack_phases(ax, metrics[metrics["timing_s/step"].notna()])
     ax.set_title("step time by phase")
     return fig
 

@@ -33,14 +33,10 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def world_size(cfg: DictConfig) -> int:
-    """Processes in this job: torchrun's WORLD_SIZE when launched, else what the sweep launcher will start."""
-    return int(os.environ.get("WORLD_SIZE") or OmegaConf.select(cfg, "parallelism.nproc_per_node", default=1))
-
-
 def validate(cfg: DictConfig, world: int | None = None) -> None:
     """Raise ConfigError listing every problem found. Reads no weights, only config.json and local data files."""
-    world = world_size(cfg) if world is None else world
+    if world is None:  # the processes: torchrun's WORLD_SIZE when launched, else what the sweep launcher will start
+        world = int(os.environ.get("WORLD_SIZE") or OmegaConf.select(cfg, "parallelism.nproc_per_node", default=1))
     problems = missing_problems(cfg)
     field_problems = trainer_field_problems(cfg.trainer)
     problems += field_problems
