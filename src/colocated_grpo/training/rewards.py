@@ -86,23 +86,20 @@ def length_chars(completions: list[str], target: int = 20, **_) -> list[float]:
 TRL_EXTRAS = ("prompts", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
-def _named(params) -> list[inspect.Parameter]:
-    """The parameters a caller can pass by name, other than TRL's extras."""
+def _named(name: str, after_first: bool = False) -> list[inspect.Parameter]:
+    """Reward `name`'s parameters passed by name (after `completions` with `after_first`), bar TRL's extras."""
+    params = list(inspect.signature(REGISTRY[name]).parameters.values())[int(after_first) :]
     return [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in TRL_EXTRAS]
 
 
 def parameters(name: str) -> dict[str, inspect.Parameter]:
     """The settable parameters of a registered reward: keyword parameters with a default, other than TRL's extras."""
-    return {
-        p.name: p for p in _named(inspect.signature(REGISTRY[name]).parameters.values()) if p.default is not p.empty
-    }
+    return {p.name: p for p in _named(name) if p.default is not p.empty}
 
 
 def required_columns(name: str) -> list[str]:
     """The dataset columns a registered reward needs: its parameters without a default, after `completions`."""
-    return [
-        p.name for p in _named(list(inspect.signature(REGISTRY[name]).parameters.values())[1:]) if p.default is p.empty
-    ]
+    return [p.name for p in _named(name, after_first=True) if p.default is p.empty]
 
 
 def columns_needed(names) -> dict[str, list[str]]:
