@@ -1,11 +1,5 @@
-"""Runs and sweeps as tables, frames and figures (pandas, matplotlib), for notebooks and the render command.
-
-tables     one row per run or sweep job: placement beside steady-state numbers; the sweep summary
-frames     one run's steps, GPU samples and phase intervals
-wandb_api  the same, from the W&B API
-plots      the figures (needs the `notebooks` extra: matplotlib)
-notebook   run a notebook headless with parameters
-"""
+"""Runs and sweeps as tables (`tables`; `wandb_api` from the W&B API), frames (`frames`) and figures (`plots`, with
+the `notebooks` extra), for notebooks and the render command; `notebook` runs a notebook headless with parameters."""
 
 from colocated_grpo.analysis.frames import (
     PHASE_COLUMNS,
