@@ -54,6 +54,13 @@ def offline_config(tmp_path, monkeypatch):
 E2E_FIXTURES = {"model_cache", "run_env", "train", "run_sweep"}
 
 
+def pytest_configure(config):
+    # A shell starts a background job (`pytest &` in a script) with SIGINT ignored, and every process started from
+    # it inherits that: the Ctrl-C tests' runs would not hear their Ctrl-C.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if E2E_FIXTURES & set(item.fixturenames):
