@@ -174,8 +174,8 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(lora_killed_then_resumed):
     different sampling log-probs at some tokens. The loss weighs each token's advantage by its importance-sampling
     ratio (trainer / engine probability): with the same completions and advantages, the two losses differ by at
     most the largest advantage times the spread of the ratios the two runs logged. That bound is what the loss is
-    held to at the first step after the checkpoint (measured on 2 cores: 4.8e-5 with 2 OpenMP threads, 1.0e-3 with
-    1, each the same on every repeat; the bound was 0.011 with 1)."""
+    held to at the first step after the checkpoint (measured on 2 cores, 4 repeats each: 4.8e-5 with 2 OpenMP
+    threads, 1.0e-3 with 1, the same on every repeat; the bound was 0.011 with 1)."""
     run_dir, killed, output = lora_killed_then_resumed
     k = killed["checkpoint"].step
     assert f"from checkpoint-{k}, step {k}" in output
