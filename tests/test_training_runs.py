@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import MOVING, TP2, run_bounded, start_own_session
 
+from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 
@@ -204,8 +205,8 @@ def test_bad_config_fails_before_loading_anything_recorded_in_run_json_without_s
 
 
 # TRL's sampling metrics are functions of the engine's sampled log-probs (beside the trainer's own, which depend
-# only on the tokens): equal metrics mean equal sampled log-probs.
-SAMPLING_LOGP_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+# only on the tokens): equal metrics mean equal sampled log-probs, and equal importance-sampling ratios.
+SAMPLING_LOGP_METRICS = trl_internals.IS_RATIO_METRICS
 
 
 def _assert_same_rollouts_and_training(fast, plain):
@@ -219,13 +220,16 @@ def _assert_same_rollouts_and_training(fast, plain):
             assert f[key] == pytest.approx(p[key], abs=1e-6), key
 
 
-# TRL's own request and weight sync: what placement.fast_outputs and placement.fast_sync replace.
-TRL_DEFAULTS = ("placement.fast_outputs=false", "placement.fast_sync=false")
+# TRL's own request, weight sync and old-log-prob forward: what placement.fast_outputs, placement.fast_sync and
+# placement.one_forward replace.
+TRL_DEFAULTS = ("placement.fast_outputs=false", "placement.fast_sync=false", "placement.one_forward=false")
+ONE_FORWARD = "importance-sampling ratio: from the training forward"
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_fast_outputs_and_sync_change_no_token_log_prob_or_loss(train, moving_run, tp2_run, ranks, tmp_path):
-    """Our defaults against TRL's request and sync, same seed, a moving policy: 1 rank, and 2 ranks with TP 2."""
+    """Our defaults against TRL's request, sync and extra forward, same seed, a moving policy: 1 rank, and 2 ranks
+    with TP 2. The loss of every step is the same number either way."""
     if ranks == 1:
         fast, plain = moving_run, train(*MOVING, *TRL_DEFAULTS, "logger=none")  # W&B changes no token
     else:
@@ -233,6 +237,7 @@ def test_fast_outputs_and_sync_change_no_token_log_prob_or_loss(train, moving_ru
     assert "fast_outputs: true" in (fast.dir / "config.yaml").read_text()
     assert "fast_outputs: false" in (plain.dir / "config.yaml").read_text()
     assert "weight sync: one_call" in fast.output and "weight sync: one_call" not in plain.output
+    assert ONE_FORWARD in fast.output and ONE_FORWARD not in plain.output
     _assert_same_rollouts_and_training(fast, plain)
 
 

