@@ -115,11 +115,19 @@ class SteadyState:
 
     def add(self, record: dict) -> None:
         step = record.get(STEP_KEY, 0)
-        start = self.starts[bisect.bisect_left(self.starts, step) - 1] if step > 0 else 0  # its attempt's start
+        start = self._start(step)
         self._all.add(record, start)
-        if step - start > self.warmup_steps:
+        if self.past_warmup(step):
             self._steady.add(record, start)
         self._last = record
+
+    def past_warmup(self, step: int) -> bool:
+        """Whether `step` counts in the steady state: past the warm-up of the attempt it belongs to."""
+        return step - self._start(step) > self.warmup_steps
+
+    def _start(self, step: int) -> int:
+        """The start of the attempt that trained `step`."""
+        return self.starts[bisect.bisect_left(self.starts, step) - 1] if step > 0 else 0
 
     def summary(self) -> dict[str, float]:
         means = self._steady if self._steady.records else self._all
