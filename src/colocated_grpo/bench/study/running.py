@@ -1,6 +1,8 @@
-"""Running a study: each case for each model as a one-job sweep through the torchrun launcher, then the standalone
-generation benchmarks, one step after another, with a progress bar (job k/N, the running case's training step, time
-elapsed and left); finished steps are kept, so running again continues the study."""
+"""Running a study: for each model, its cases interleaved (repeat 1 of every case in the order listed, then repeat
+2, …: a case and its baseline run next to each other, so a drift of the machine over the study reaches both), each
+repeat a one-job sweep through the torchrun launcher; then the standalone generation benchmarks. One step after
+another, with a progress bar (step k/N, the running job's training step, time elapsed and left); finished steps are
+kept, so running again continues the study (a failed repeat is run again)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from colocated_grpo import run_files
 from colocated_grpo.bench.study import definition, portable
-from colocated_grpo.bench.study.definition import bench_command, case_command, case_status, describe
+from colocated_grpo.bench.study.definition import bench_command, case_command, case_status, describe, repeat_dir
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.progress import Progress, run_step
 from colocated_grpo.provenance import checkout
@@ -28,10 +29,12 @@ def run(study_file: str | Path, out: str | Path) -> None:
     env = [*definition.environments(out), definition.environment()]  # a continued study may change machine
     write_json(out / "env.json", env)
     steps = [
-        (m, kind, name)
+        step
         for m in study["models"]
-        for kind, names in (("case", study["cases"]), ("bench", study["bench"]))
-        for name in names
+        for step in (
+            *((m, "case", name, k) for k in range(1, study["repeats"] + 1) for name in study["cases"]),
+            *((m, "bench", name, None) for name in study["bench"]),
+        )
     ]
     started = time.monotonic()
     try:
@@ -47,20 +50,23 @@ def run(study_file: str | Path, out: str | Path) -> None:
     print(f"study done in {time.monotonic() - started:.0f} s; report: colocated-grpo study report {out}")
 
 
-def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]], repo: Path) -> None:
+def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str, int | None]], repo: Path) -> None:
     with Progress("study", len(steps)) as shown:
-        for i, (model, kind, name) in enumerate(steps, 1):
-            label = f"[{i}/{len(steps)}] {model} {name}"
+        for i, (model, kind, name, repeat) in enumerate(steps, 1):
             if kind == "case":
                 case_dir = out / "runs" / model / name
-                if case_status(case_dir) == "finished":
+                job_dir, what = repeat_dir(case_dir, repeat), f"{model} {name} rep{repeat}"
+                label = f"[{i}/{len(steps)}] {what}"
+                if case_status(job_dir) == "finished":
                     print(f"{label}: finished earlier, kept", flush=True)
                     shown.skip(label)
                     continue
-                with shown.job(f"{model} {name}", lambda d=case_dir: _case_step(d)):
-                    _run_logged(case_command(study, model, name, case_dir, repo), case_dir / "sweep.log", label)
-                print(f"    {describe(case_dir)}", flush=True)
+                command = case_command(study, model, name, case_dir, repo, repeat)
+                with shown.job(what, lambda d=job_dir: run_step(d)):
+                    _run_logged(command, case_dir / f"sweep_rep{repeat}.log", label)
+                print(f"    {describe(job_dir)}", flush=True)
             else:
+                label = f"[{i}/{len(steps)}] {model} {name}"
                 path = out / "bench" / model / f"{name}.json"
                 if path.exists():
                     print(f"{label}: measured earlier, kept", flush=True)
@@ -68,12 +74,6 @@ def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str]], repo: 
                     continue
                 with shown.job(f"{model} {name}"):
                     _run_logged(bench_command(model, study["bench"][name], path), path.with_suffix(".log"), label)
-
-
-def _case_step(case_dir: Path) -> tuple[int | None, int | None]:
-    """The step of a case's one job (a run directory inside the case's sweep directory)."""
-    job = next((p.parent for p in case_dir.glob(f"*/{run_files.JOB}")), None)
-    return run_step(job) if job is not None else (None, None)
 
 
 def _run_logged(command: list[str], log: Path, label: str) -> None:
