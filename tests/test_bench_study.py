@@ -455,6 +455,22 @@ def test_the_committed_fast_outputs_results_regenerate_and_compare_each_case_wit
         assert fast["speedup_vs_baseline"] == pytest.approx(trl["step_s"] / fast["step_s"], rel=1e-3)
 
 
+def test_the_committed_plain_trl_results_regenerate_and_hold_the_readme_headline(tmp_path):
+    """sweeps/results/plain_trl_h200: three interleaved runs of each case, each of ours against plain TRL run k by run
+    k; the README's headline (1.66× at 128, 1.68× at 256, with each pair's ratio) is what these files give."""
+    table = _regenerated("plain_trl_h200", tmp_path)
+    assert (table["status"] == "finished").all() and (table["repeats"] == 3).all()
+    readme = (REPO / "README.md").read_text()
+    for n, headline in ((128, "1.66×"), (256, "1.68×")):
+        ours, plain = table.loc[("qwen2.5-1.5b-random", f"ours_{n}")], table.loc[("qwen2.5-1.5b-random", f"plain_{n}")]
+        assert (ours["kind"], plain["kind"]) == ("ours", "plain_trl")
+        assert f"{ours['speedup_vs_baseline']:.2f}×" == headline and headline in readme
+        pairs = [float(p) for p in ours["speedup_pairs"].split(",")]
+        assert min(pairs) == pytest.approx(ours["speedup_min"]) and max(pairs) == pytest.approx(ours["speedup_max"])
+        assert ", ".join(f"{p:.2f}" for p in pairs) in readme
+        assert plain["other_s"] > 5 * ours["other_s"], "TRL's extra forward is gone from ours"
+
+
 def test_a_copied_tree_records_the_commit_it_was_given(tmp_path, monkeypatch):
     """A tree copied without .git (as onto a GPU machine) records the commit passed in $COLOCATED_GRPO_GIT_SHA, in a
     study's env.json and a run's run.json alike; a checkout's own commit is kept beside one that differs."""
