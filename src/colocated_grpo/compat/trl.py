@@ -448,3 +448,19 @@ def install_one_forward(trainer) -> str:
         return why_not
     OneForward(trainer)
     return "importance-sampling ratio: from the training forward (on-policy: TRL's extra no-grad forward skipped)"
+
+
+def install_changes(trainer, *, seed: int, flat_logprobs: bool, sync_chunk_bytes: int | None, one_forward: bool):
+    """Every change of ours to a built GRPOTrainer, in one fixed order: the engine's seed (trl#7040), the flat
+    log-prob reader, the batched weight sync (before the phase hooks, which then time it), the importance-sampling
+    ratio from the training forward. Returns one line for each that says what runs (TRL's own code where its source
+    is not the one ours was written for)."""
+    reseed_generation(trainer, seed)
+    lines = []
+    if flat_logprobs and (why_not := install_flat_logprob_reader()):
+        lines.append(why_not)
+    if sync_chunk_bytes is not None:
+        lines.append(install_fast_sync(trainer, sync_chunk_bytes))
+    if one_forward:
+        lines.append(install_one_forward(trainer))
+    return lines

@@ -196,16 +196,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
             raise
         raise explained from exc
     checkpoints.quiet_tied_weights_on_resume(trainer.model)
-    trl_internals.reseed_generation(trainer, int(cfg.seed))
-    # Where our code stands in for TRL's: each says in one line what runs (TRL's own where its source changed).
-    flat = (args.generation_kwargs or {}).get("flat_logprobs")  # placement.fast_outputs, or the user's own request
-    if flat and (why_not := trl_internals.install_flat_logprob_reader()):
-        log.info("%s", why_not)
-    if cfg.placement.get("fast_sync"):
-        chunk_bytes = int(float(cfg.placement.sync_chunk_gb) * 2**30)
-        log.info("%s", trl_internals.install_fast_sync(trainer, chunk_bytes))
-    if cfg.placement.get("one_forward"):
-        log.info("%s", trl_internals.install_one_forward(trainer))
+    placement = cfg.placement
+    for line in trl_internals.install_changes(
+        trainer,
+        seed=int(cfg.seed),
+        flat_logprobs=bool((args.generation_kwargs or {}).get("flat_logprobs")),  # fast_outputs, or the user's own
+        sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
+        one_forward=bool(placement.get("one_forward")),
+    ):
+        log.info("%s", line)
     return trainer
 
 
