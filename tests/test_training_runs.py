@@ -295,3 +295,21 @@ def test_two_plain_runs_started_together_both_train(run_env, tmp_path):
     procs = [start_own_session(c, tmp_path, run_env) for c in cmds]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+
+
+def test_a_profiled_step_is_split_by_phase_and_op(train):
+    """telemetry.profile_step: the step runs under torch.profiler; the engine's decode ops land in generate, the
+    policy's backward in train, and the trace opens in Perfetto (Chrome trace JSON, gzipped)."""
+    import gzip
+
+    run = train("logger=none", "trainer.max_steps=2", "trainer.save_strategy=no", "telemetry.profile_step=2")
+    text = (run.dir / "profile" / "step_2.txt").read_text()
+    sections = {part.split(":")[0]: part for part in text.split("phase ")[1:]}
+    assert {"generate", "other", "train"} <= set(sections)
+    assert "unified_attention" in sections["generate"] and "unified_attention" not in sections["train"]
+    assert re.search(r"phase train: wall \d+\.\d ms, host ops \d+\.\d ms", text)
+    trace = json.loads(gzip.decompress((run.dir / "profile" / "step_2.trace.json.gz").read_bytes()))
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"phase:generate", "phase:train"} <= names and any(str(n).startswith("autograd::engine") for n in names)
+    assert "profile of step 2: generate: wall" in run.output
+    assert [m["train/global_step"] for m in run.metrics()] == [1, 2], "the profiled step is logged as usual"

@@ -33,6 +33,7 @@ class Telemetry:
     warmup_steps: int = MISSING
     sync_cuda: bool = MISSING
     peak_tflops: float | None = MISSING
+    profile_step: int | None = MISSING
 
 
 root = OmegaConf.create({"trainer": {}, "reward": {"weights": {}, "params": {}}})

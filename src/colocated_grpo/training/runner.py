@@ -31,6 +31,7 @@ from colocated_grpo.run_files import STEP_KEY, JsonlWriter
 from colocated_grpo.telemetry import step_line
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
+from colocated_grpo.telemetry.profile import ProfileStep
 from colocated_grpo.training import config, models, preflight, rewards, wandb_logging
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
 
 def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.StopOnSignal) -> None:
     """Every callback of ours, in the order they run: the run files and the telemetry that feeds them, the step line,
-    the W&B step, the checkpoint marked complete, the non-finite guard and the signal handler."""
+    the W&B step, the checkpoint marked complete, the profiled step, the non-finite guard and the signal handler."""
     t = cfg.telemetry
     telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops) if t.enabled else None
     metrics_file = MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry.pop_step_metrics if telemetry else None)
@@ -220,6 +221,8 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
     step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
     trainer.add_callback(wandb_rewind.RecordWandbStep())
     trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
+    if t.profile_step:
+        trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), is_main_process()))
     if cfg.run.stop_on_nonfinite:
         trainer.add_callback(StopOnNonFinite())
     trainer.add_callback(stopper)
