@@ -638,7 +638,7 @@ def test_config_rejects_an_unknown_resume_mode_and_an_unimportable_reward_module
 
     with pytest.raises(ConfigError) as err:
         validate(_cfg("run.resume=sometimes", "+reward.modules=[no_such_rewards_module]"), 1)
-    assert "run.resume='sometimes' must be one of ['auto', 'never']" in str(err.value)
+    assert "run.resume='sometimes' must be one of ['auto', 'never', 'restart']" in str(err.value)
     assert "reward.modules: cannot import 'no_such_rewards_module' (ModuleNotFoundError" in str(err.value)
 
 

@@ -20,7 +20,7 @@ from colocated_grpo.run_files import STEP_KEY, flatten, read_json, read_jsonl
 
 log = logging.getLogger(__name__)
 
-RESUME_MODES = ("auto", "never")
+RESUME_MODES = ("auto", "never", "restart")
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TRAINER_STATE = "trainer_state.json"  # rank 0's, written last by transformers' _save_checkpoint
 COMPLETE = "complete.json"  # written by MarkComplete once every rank has saved
@@ -110,18 +110,32 @@ def latest(run_dir: Path) -> Checkpoint | None:
 
 
 def mark_complete_callback():
-    """A trainer callback: once every rank has saved a checkpoint, rank 0 marks it complete; a resume ignores an
-    unmarked one. (Built here so that this module imports without transformers: the run-dir guard imports it.)"""
+    """A trainer callback: once every rank has saved a checkpoint, rank 0 marks it complete (a resume ignores an
+    unmarked one) and only then deletes the oldest complete ones beyond `save_total_limit`. transformers' own
+    rotation, which runs inside the save before the mark, is turned off: it could delete the last complete checkpoint
+    while the new one is still unmarked. (Built here so that this module imports without transformers: the run-dir
+    guard imports it.)"""
     import torch.distributed as dist
     from transformers import TrainerCallback
 
     class MarkComplete(TrainerCallback):
+        keep = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if args.save_total_limit is not None:
+                self.keep, args.save_total_limit = args.save_total_limit, None
+
         def on_save(self, args, state, control, **kwargs):
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 dist.barrier()
             if state.is_world_process_zero:
                 path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
                 run_files.write_json(path / COMPLETE, {"global_step": state.global_step, "ranks": args.world_size})
+                for old in checkpoints(args.output_dir)[: -self.keep] if self.keep and self.keep > 0 else []:
+                    if str(old.path) != state.best_model_checkpoint:
+                        for name in (COMPLETE, TRAINER_STATE):  # unmarked first: a cut deletion is not resumed from
+                            (old.path / name).unlink(missing_ok=True)
+                        shutil.rmtree(old.path, ignore_errors=True)
 
     return MarkComplete()
 
@@ -190,10 +204,19 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
                 f"{run_dir} holds a finished run without checkpoints, so there is nothing to continue from and "
                 "starting over would overwrite its results; choose a new hydra.run.dir"
             )
-        log.warning(
-            f"{run_dir} holds an unfinished run without a checkpoint (status: {status}): starting it over from step 0"
-        )
+        if (history := _history(run_dir)) and mode != "restart":
+            raise ResumeError(
+                f"{run_dir} holds {history} but no complete checkpoint (status: {status}), so it cannot be resumed; "
+                "run.resume=restart starts it over from step 0 in this directory, dropping those records, or choose "
+                "a new hydra.run.dir"
+            )
+        log.warning(f"{run_dir} holds an unfinished run without a checkpoint (status: {status}): starting it over")
         return Resume(None, previous)
+    if mode == "restart":
+        raise ResumeError(
+            f"run.resume=restart starts over only a run without a complete checkpoint, but {run_dir} holds "
+            f"{checkpoint.path.name}; use run.resume=auto to continue from it, or choose a new hydra.run.dir"
+        )
     check_config(cfg, run_dir, previous)
     max_steps = int(cfg.trainer.get("max_steps") or -1)
     if 0 < max_steps <= checkpoint.step:  # resuming would still train one more step
@@ -203,6 +226,14 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
             "hydra.run.dir"
         )
     return Resume(checkpoint, previous)
+
+
+def _history(run_dir: Path) -> str:
+    """What a run directory holds of trained steps: its metric rows and checkpoint directories ('' for nothing)."""
+    steps = [r[STEP_KEY] for r in read_jsonl(run_dir / run_files.METRICS) if r.get(STEP_KEY) is not None]
+    saves = sorted((path.name for path, _ in _checkpoint_dirs(run_dir)), key=lambda name: int(name.split("-")[1]))
+    held = [f"metrics.jsonl up to step {max(steps)}"] if steps else []
+    return " and ".join(held + ([f"{', '.join(saves)} (none complete)"] if saves else []))
 
 
 def check_config(cfg: DictConfig, run_dir: Path, previous: dict) -> None:

@@ -1,0 +1,134 @@
+"""Which checkpoint a resume starts from, and the launches it refuses: rotation keeps a complete checkpoint through
+every save, a run with history never silently starts over, and a resume is refused before anything loads when it
+cannot continue the run as it was."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MOVING, compose_train
+from test_resilience import Job
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from colocated_grpo.resilience import checkpoints
+from colocated_grpo.run_files import read_json, read_jsonl
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+
+class _KilledInSave(RuntimeError):
+    pass
+
+
+class _KillInSave(TrainerCallback):
+    """Ends the process's training where a SIGKILL in the save would: the checkpoint written, not yet marked."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise _KilledInSave
+
+
+def _trainer(run_dir: Path, max_steps: int, *callbacks) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(run_dir),
+        use_cpu=True,
+        report_to=[],
+        max_steps=max_steps,
+        save_steps=1,
+        save_total_limit=1,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+    )
+    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(16)]
+    return Trainer(model=_Regression(), args=args, train_dataset=data, callbacks=list(callbacks))
+
+
+def test_rotation_keeps_the_last_complete_checkpoint_until_the_next_one_is_marked(tmp_path):
+    """transformers rotates inside its save, before `on_save` marks the new checkpoint: with save_total_limit=1 a kill
+    between the two left only an unmarked checkpoint, and the next launch started over. Here the real save runs and
+    the process stops right after it, before the mark: the previous checkpoint is still there and is resumed from."""
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True}))
+    trainer = _trainer(tmp_path, 3, _KillInSave(2), checkpoints.mark_complete_callback())
+    with pytest.raises(_KilledInSave):
+        trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert [c.step for c in checkpoints.checkpoints(tmp_path)] == [1], "checkpoint-2 is unmarked"
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in (1, 2)))
+    resume = checkpoints.plan(compose_train("trainer.max_steps=3"), tmp_path)
+    assert resume.checkpoint.path.name == "checkpoint-1"
+
+    # The next attempt: once a checkpoint is marked, the older complete ones beyond the limit go.
+    checkpoints.remove_incomplete(tmp_path)
+    _trainer(tmp_path, 3, checkpoints.mark_complete_callback()).train(str(resume.checkpoint.path))
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-3"]
+    assert (tmp_path / "checkpoint-3" / checkpoints.COMPLETE).exists()
+
+
+def _history(run_dir: Path, steps: int, *saves: int) -> None:
+    (run_dir / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True, "attempts": [{}]}))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"train/global_step": s}) + "\n" for s in range(1, steps + 1))
+    )
+    for step in saves:
+        (run_dir / f"checkpoint-{step}").mkdir()
+
+
+def test_a_run_with_history_but_no_complete_checkpoint_is_refused_unless_restart_is_asked(tmp_path):
+    _history(tmp_path, 5, 4)  # checkpoint-4 cut short, steps 1-5 logged
+    with pytest.raises(checkpoints.ResumeError) as refused:
+        checkpoints.plan(compose_train("trainer.max_steps=6"), tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "holds metrics.jsonl up to step 5 and checkpoint-4 (none complete)" in message
+    assert "run.resume=restart starts it over from step 0" in message
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"], "nothing removed"
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 5, "nothing trimmed"
+
+    resume = checkpoints.plan(compose_train("trainer.max_steps=6", "run.resume=restart"), tmp_path)
+    assert resume.resuming and resume.checkpoint is None
+
+    (tmp_path / "checkpoint-4" / checkpoints.COMPLETE).write_text(json.dumps({"global_step": 4}))
+    with pytest.raises(checkpoints.ResumeError, match=r"restart starts over only a run without a complete checkpoint"):
+        checkpoints.plan(compose_train("trainer.max_steps=6", "run.resume=restart"), tmp_path)
+
+
+def _copy(run_dir: Path, to: Path) -> Path:
+    shutil.copytree(run_dir, to, symlinks=True)
+    return to
+
+
+def test_a_resume_with_save_total_limit_1_starts_from_the_complete_checkpoint_and_rotates_after_marking(
+    moving_run, model_cache, tmp_path
+):
+    """A real run's directory in the state a kill in the save left it: checkpoint-6 saved but unmarked, checkpoint-4
+    complete. The resume starts from checkpoint-4, and with save_total_limit=1 each later save keeps one checkpoint."""
+    run_dir = _copy(moving_run.dir, tmp_path / "run")
+    (run_dir / "checkpoint-6" / checkpoints.COMPLETE).unlink()
+    record = read_json(run_dir / "run.json")
+    record["status"] = "running"
+    record["attempts"][-1].pop("status")
+    (run_dir / "run.json").write_text(json.dumps(record))
+
+    job = Job(run_dir, model_cache, *MOVING, "trainer.max_steps=8", "trainer.save_total_limit=1")
+    assert job.wait() == 0, job.output[-6000:]
+    assert "from checkpoint-4, step 4" in job.output
+    assert job.steps() == list(range(1, 9))
+    assert [p.name for p in run_dir.glob("checkpoint-*")] == ["checkpoint-8"]
+    assert [(a["from_step"], a["status"]) for a in read_json(run_dir / "run.json")["attempts"]] == [
+        (0, "died"),
+        (4, "finished"),
+    ]
