@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,10 +119,7 @@ def test_a_resume_with_save_total_limit_1_starts_from_the_complete_checkpoint_an
     complete. The resume starts from checkpoint-4, and with save_total_limit=1 each later save keeps one checkpoint."""
     run_dir = _copy(moving_run.dir, tmp_path / "run")
     (run_dir / "checkpoint-6" / checkpoints.COMPLETE).unlink()
-    record = read_json(run_dir / "run.json")
-    record["status"] = "running"
-    record["attempts"][-1].pop("status")
-    (run_dir / "run.json").write_text(json.dumps(record))
+    _killed(run_dir)
 
     job = Job(run_dir, model_cache, *MOVING, "trainer.max_steps=8", "trainer.save_total_limit=1")
     assert job.wait() == 0, job.output[-6000:]
@@ -132,3 +130,45 @@ def test_a_resume_with_save_total_limit_1_starts_from_the_complete_checkpoint_an
         (0, "died"),
         (4, "finished"),
     ]
+
+
+def _killed(run_dir: Path) -> dict:
+    """The run's record as a SIGKILL leaves it: the last attempt still running."""
+    record = read_json(run_dir / "run.json")
+    record["status"] = "running"
+    record["attempts"][-1].pop("status")
+    record["attempts"][-1].pop("ended", None)
+    (run_dir / "run.json").write_text(json.dumps(record))
+    return record
+
+
+def test_a_resume_with_another_world_size_is_refused_before_anything_loads(moving_run, model_cache, tmp_path):
+    """The one-process run resumed under torchrun with two: one line naming both and the launch that continues it."""
+    run_dir = _copy(moving_run.dir, tmp_path / "run")
+    before = _killed(run_dir)
+    job = Job(run_dir, model_cache, *MOVING, "trainer.max_steps=8", nproc=2)
+    assert job.wait() != 0
+    line = next(line for line in job.output.splitlines() if line.startswith("ResumeError:"))
+    assert "was trained by 1 process(es) with parallelism=ddp, and this launch has 2 with parallelism=ddp" in line
+    assert line.endswith(f"train.py {' '.join(MOVING)} hydra.run.dir={run_dir}")
+    assert ": python " in line
+    assert "Loading weights" not in job.output and "vLLM" not in job.output
+    after = read_json(run_dir / "run.json")
+    assert after["world_size"] == before["world_size"] == 1
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 6, "nothing trimmed"
+
+
+def test_a_resume_with_another_parallelism_is_refused_naming_both(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose_train("parallelism=fsdp", "trainer.max_steps=6")
+    (tmp_path / "run.json").write_text(
+        json.dumps({"status": "running", "world_size": 2, checkpoints.MARKED: True, "overrides": ["parallelism=ddp"]})
+    )
+    (tmp_path / "config.yaml").write_text("parallelism:\n  name: ddp\n")
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / checkpoints.COMPLETE).write_text(json.dumps({"global_step": 2}))
+    with pytest.raises(checkpoints.ResumeError) as refused:
+        checkpoints.plan(cfg, tmp_path)
+    message = str(refused.value)
+    assert "by 2 process(es) with parallelism=ddp, and this launch has 2 with parallelism=fsdp" in message
+    assert message.endswith(f"torchrun --nproc_per_node=2 {sys.argv[0]} parallelism=ddp hydra.run.dir={tmp_path}")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -104,13 +102,8 @@ def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
 
 def resume_command(run_dir: Path) -> str:
     """How to continue this run, as a command line. Call it early: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE."""
-    overrides = task_overrides()
-    if overrides is None:
-        return f"the same command, with hydra.run.dir={run_dir}"
-    world, nproc = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("LOCAL_WORLD_SIZE", "1")
-    launcher = ["python"] if world == 1 else ["torchrun", f"--nproc_per_node={nproc}"]
-    args = [shlex.quote(redaction.redact_text(o)) for o in overrides]
-    return " ".join([*launcher, sys.argv[0], *args, f"hydra.run.dir={shlex.quote(str(run_dir))}"])
+    world, nproc = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return checkpoints.launch_command(run_dir, task_overrides(), world, nproc)
 
 
 def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> TrainingInterrupted | None:

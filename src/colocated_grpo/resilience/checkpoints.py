@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shlex
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -15,7 +18,7 @@ from typing import NamedTuple
 from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo import run_files
-from colocated_grpo.resilience.redaction import REDACTED
+from colocated_grpo.resilience.redaction import REDACTED, redact_text
 from colocated_grpo.run_files import STEP_KEY, flatten, read_json, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -217,6 +220,7 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
             f"run.resume=restart starts over only a run without a complete checkpoint, but {run_dir} holds "
             f"{checkpoint.path.name}; use run.resume=auto to continue from it, or choose a new hydra.run.dir"
         )
+    check_launch(cfg, run_dir, previous)
     check_config(cfg, run_dir, previous)
     max_steps = int(cfg.trainer.get("max_steps") or -1)
     if 0 < max_steps <= checkpoint.step:  # resuming would still train one more step
@@ -234,6 +238,30 @@ def _history(run_dir: Path) -> str:
     saves = sorted((path.name for path, _ in _checkpoint_dirs(run_dir)), key=lambda name: int(name.split("-")[1]))
     held = [f"metrics.jsonl up to step {max(steps)}"] if steps else []
     return " and ".join(held + ([f"{', '.join(saves)} (none complete)"] if saves else []))
+
+
+def check_launch(cfg: DictConfig, run_dir: Path, previous: dict) -> None:
+    """Raise ResumeError when this launch has another world size or parallelism than the run: a checkpoint holds the
+    state (optimizer shards, RNG) of the ranks and the sharding that wrote it."""
+    stored = OmegaConf.load(run_dir / run_files.CONFIG) if (run_dir / run_files.CONFIG).exists() else cfg
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    was = (int(previous.get("world_size", world)), str(OmegaConf.select(stored, "parallelism.name")))
+    if was != (world, str(cfg.parallelism.name)):
+        raise ResumeError(
+            f"{run_dir} was trained by {was[0]} process(es) with parallelism={was[1]}, and this launch has {world} "
+            f"with parallelism={cfg.parallelism.name}; its checkpoints hold the state of the ranks and the sharding "
+            f"that wrote them, so continue it as it was launched: "
+            + launch_command(run_dir, previous.get("overrides"), was[0])
+        )
+
+
+def launch_command(run_dir: Path, overrides: list[str] | None, world: int, nproc: int | None = None) -> str:
+    """The command line that runs these overrides in `run_dir` with `world` processes (`nproc` on this node)."""
+    if overrides is None:
+        return f"the same command with {world} process(es) and hydra.run.dir={run_dir}"
+    launcher = ["python"] if world == 1 else ["torchrun", f"--nproc_per_node={nproc or world}"]
+    args = [shlex.quote(redact_text(o)) for o in overrides]
+    return " ".join([*launcher, sys.argv[0], *args, f"hydra.run.dir={shlex.quote(str(run_dir))}"])
 
 
 def check_config(cfg: DictConfig, run_dir: Path, previous: dict) -> None:
