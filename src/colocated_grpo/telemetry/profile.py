@@ -1,8 +1,9 @@
 """One step under torch.profiler (`telemetry.profile_step=K`): where the host and the GPU spend each phase of step K.
-Every op is charged to the innermost phase that ran it (generate inside TRL's input preparation, `other`, inside the
-training step, `train`); rank 0 writes profile/step_K.txt (per phase: wall time, GPU busy time, the ops that took the
-most GPU time, else host time) and profile/step_K.trace.json.gz (a Chrome / Perfetto trace), and logs one line per
-phase. Profiling slows the step it watches: leave that step out of timings (it is logged as usual)."""
+Every op and kernel is charged to the innermost phase running when it started (generate inside TRL's input
+preparation, `other`, inside the training step, `train`), whichever thread ran it; rank 0 writes profile/step_K.txt
+(per phase: wall time, host time of its ops, GPU busy time, the kernels and the host ops that took the most) and
+profile/step_K.trace.json.gz (a Chrome / Perfetto trace), and logs one line per phase. Profiling slows the step it
+watches: leave that step out of timings (it is logged as usual)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ DIRECTORY = "profile"
 LABEL = "phase:"
 # TRL's methods whose calls mark a phase, outermost first (each runs inside the one before).
 MARKED = (("train", "training_step"), ("other", "_prepare_inputs"), ("generate", "_generate"))
-OTHER_THREADS = "outside the phases (other threads: the engine's, data loading)"
-TOP_OPS = 15
+OUTSIDE = "outside the phases"
+TOP_OPS = 12
 
 
 class ProfileStep(TrainerCallback):
@@ -81,37 +82,47 @@ def _label(trainer, method: str, phase: str) -> None:
     setattr(trainer, method, labelled)
 
 
-def _device_us(event) -> float:
-    return float(getattr(event, "self_device_time_total", 0.0) or 0.0)
-
-
 def by_phase(events) -> dict[str, dict]:
-    """Per phase: its wall time (its own ranges, less the phases nested in them), the host and GPU time of the ops it
-    ran itself, and those ops by name. Times in microseconds, as torch.profiler gives them."""
+    """Per phase: its wall time (its own ranges, less the phases nested in them), the host time of the ops and the GPU
+    time of the kernels (merged, so that overlapping streams count once) that ran in it, and both by name. An event
+    belongs to the innermost phase range its start falls in, whatever thread ran it (autograd's backward thread, the
+    engine's) and on the GPU's clock for kernels; times in microseconds, as torch.profiler gives them."""
+    from torch.autograd import DeviceType
+
+    labels = [e for e in events if e.name.startswith(LABEL)]
+    ranges = sorted(
+        ((e.time_range.start, e.time_range.end, e.name.removeprefix(LABEL)) for e in labels),
+        key=lambda r: r[1] - r[0],  # the shortest first: the first range that holds a moment is the innermost
+    )
     phases: dict[str, dict] = defaultdict(lambda: {"wall_us": 0.0, "cpu_us": 0.0, "device_us": 0.0, "ops": {}})
+    kernels: dict[str, list] = defaultdict(list)
     for event in events:
         if event.name.startswith(LABEL):
             inner = sum(c.cpu_time_total for c in event.cpu_children if c.name.startswith(LABEL))
             phases[event.name.removeprefix(LABEL)]["wall_us"] += event.cpu_time_total - inner
             continue
-        phase = _innermost_phase(event)
-        entry = phases[phase]
-        entry["cpu_us"] += event.self_cpu_time_total
-        entry["device_us"] += _device_us(event)
-        op = entry["ops"].setdefault(event.name, [0, 0.0, 0.0])
+        start = event.time_range.start
+        phase = next((name for low, high, name in ranges if low <= start < high), OUTSIDE)
+        on_device = event.device_type != DeviceType.CPU
+        host, device = (0.0, event.time_range.elapsed_us()) if on_device else (event.self_cpu_time_total, 0.0)
+        op = phases[phase]["ops"].setdefault(event.name, [0, 0.0, 0.0])
         op[0] += 1
-        op[1] += event.self_cpu_time_total
-        op[2] += _device_us(event)
+        op[1] += host
+        op[2] += device
+        phases[phase]["cpu_us"] += host
+        if on_device:
+            kernels[phase].append((start, event.time_range.end))
+    for phase, spans in kernels.items():
+        phases[phase]["device_us"] = _merged_us(spans)
     return dict(phases)
 
 
-def _innermost_phase(event) -> str:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith(LABEL):
-            return parent.name.removeprefix(LABEL)
-        parent = parent.cpu_parent
-    return OTHER_THREADS
+def _merged_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for low, high in sorted(spans):
+        total += max(0.0, high - max(low, end))
+        end = max(end, high)
+    return total
 
 
 def report(step: int, phases: dict[str, dict]) -> str:
@@ -128,9 +139,11 @@ def report(step: int, phases: dict[str, dict]) -> str:
             busy += f" ({100 * p['device_us'] / p['wall_us']:.0f} % of its wall time)"
         wall = f"wall {p['wall_us'] / 1e3:.1f} ms, " if p["wall_us"] else ""
         lines.append(f"phase {name}: {wall}host ops {p['cpu_us'] / 1e3:.1f} ms{busy}")
-        key = 2 if p["device_us"] else 1
-        top = sorted(p["ops"].items(), key=lambda item: item[1][key], reverse=True)[:TOP_OPS]
-        lines.append(f"  {'op':<60} {'calls':>7} {'host ms':>9} {'GPU ms':>9}")
-        lines += [f"  {op[:60]:<60} {n:>7} {cpu / 1e3:>9.2f} {dev / 1e3:>9.2f}" for op, (n, cpu, dev) in top]
+        for title, column in (("GPU ms", 2), ("host ms", 1)):
+            top = sorted(p["ops"].items(), key=lambda item: item[1][column], reverse=True)[:TOP_OPS]
+            top = [(op_name, op) for op_name, op in top if op[column] > 0]
+            if top:
+                lines.append(f"  {'by ' + title:<70} {'calls':>7} {title:>9}")
+                lines += [f"  {op_name[:70]:<70} {op[0]:>7} {op[column] / 1e3:>9.2f}" for op_name, op in top]
         lines.append("")
     return "\n".join(lines)
