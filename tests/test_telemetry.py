@@ -299,3 +299,21 @@ def test_nvml_unavailable_without_pynvml_or_gpus_and_none_with_gpus(monkeypatch)
     assert nvml.unavailable() is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # as if not installed: `import pynvml` raises ImportError
     assert nvml.unavailable() == "pynvml is not installed (pip install nvidia-ml-py)"
+
+
+def test_a_profiled_phase_counts_overlapping_kernels_once_and_the_gpus_waits_for_the_host():
+    """Kernels on two streams that overlap are GPU time once; a gap over a millisecond between kernels is a wait."""
+    from colocated_grpo.telemetry import profile
+
+    busy, gaps = profile._merged_us([(0, 10), (5, 20), (3000, 3010), (3005, 3020), (5000, 5001), (5500, 5600)])
+    assert busy == 20 + 20 + 1 + 100 and gaps == [2980, 1980]
+    text = profile.report(
+        4,
+        {
+            "generate": {"wall_us": 8000.0, "cpu_us": 900.0, "device_us": busy, "idle_gaps_us": gaps,
+                         "ops": {"aten::mm": [2, 0.0, 120.0], "cudaGraphLaunch": [3, 900.0, 0.0]}},
+        },
+    )  # fmt: skip
+    assert "phase generate: wall 8.0 ms, host ops 0.9 ms, GPU busy 0.1 ms (2 % of its wall time)" in text
+    assert "GPU idle between kernels 2 times over 1 ms (median 3.0 ms, 5.0 ms in all)" in text
+    assert text.index("aten::mm") < text.index("cudaGraphLaunch"), "kernels by GPU time, then host ops by host time"

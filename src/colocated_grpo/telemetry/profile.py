@@ -23,6 +23,7 @@ LABEL = "phase:"
 MARKED = (("train", "training_step"), ("other", "_prepare_inputs"), ("generate", "_generate"))
 OUTSIDE = "outside the phases"
 TOP_OPS = 12
+IDLE_GAP_US = 1000.0  # the GPU idle between two kernels for longer than this counts as waiting for the host
 
 
 class ProfileStep(TrainerCallback):
@@ -113,16 +114,20 @@ def by_phase(events) -> dict[str, dict]:
         if on_device:
             kernels[phase].append((start, event.time_range.end))
     for phase, spans in kernels.items():
-        phases[phase]["device_us"] = _merged_us(spans)
+        phases[phase]["device_us"], phases[phase]["idle_gaps_us"] = _merged_us(spans)
     return dict(phases)
 
 
-def _merged_us(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
+def _merged_us(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """The time some kernel ran, and the gaps of over IDLE_GAP_US between one kernel's end and the next one's start:
+    where a host-bound phase leaves the GPU waiting."""
+    total, end, gaps = 0.0, None, []
     for low, high in sorted(spans):
-        total += max(0.0, high - max(low, end))
-        end = max(end, high)
-    return total
+        if end is not None and low - end > IDLE_GAP_US:
+            gaps.append(low - end)
+        total += max(0.0, high - max(low, end if end is not None else low))
+        end = high if end is None else max(end, high)
+    return total, gaps
 
 
 def report(step: int, phases: dict[str, dict]) -> str:
@@ -138,6 +143,11 @@ def report(step: int, phases: dict[str, dict]) -> str:
         if p["device_us"] and p["wall_us"]:
             busy += f" ({100 * p['device_us'] / p['wall_us']:.0f} % of its wall time)"
         wall = f"wall {p['wall_us'] / 1e3:.1f} ms, " if p["wall_us"] else ""
+        if gaps := sorted(p.get("idle_gaps_us", [])):
+            busy += (
+                f"; GPU idle between kernels {len(gaps)} times over {IDLE_GAP_US / 1e3:.0f} ms (median "
+                f"{gaps[len(gaps) // 2] / 1e3:.1f} ms, {sum(gaps) / 1e3:.1f} ms in all)"
+            )
         lines.append(f"phase {name}: {wall}host ops {p['cpu_us'] / 1e3:.1f} ms{busy}")
         for title, column in (("GPU ms", 2), ("host ms", 1)):
             top = sorted(p["ops"].items(), key=lambda item: item[1][column], reverse=True)[:TOP_OPS]
