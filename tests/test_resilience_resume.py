@@ -155,6 +155,11 @@ def test_a_resume_with_another_world_size_is_refused_before_anything_loads(movin
     assert "Loading weights" not in job.output and "vLLM" not in job.output
     after = read_json(run_dir / "run.json")
     assert after["world_size"] == before["world_size"] == 1
+    # The killed attempt is recorded as what it was, not left running: nothing else of the record changes.
+    assert (after["status"], [a["status"] for a in after["attempts"]]) == ("died", ["died"])
+    assert {k: v for k, v in after.items() if k not in ("status", "attempts")} == {
+        k: v for k, v in before.items() if k not in ("status", "attempts")
+    }
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 6, "nothing trimmed"
 
 
@@ -172,3 +177,20 @@ def test_a_resume_with_another_parallelism_is_refused_naming_both(tmp_path, monk
     message = str(refused.value)
     assert "by 2 process(es) with parallelism=ddp, and this launch has 2 with parallelism=fsdp" in message
     assert message.endswith(f"torchrun --nproc_per_node=2 {sys.argv[0]} parallelism=ddp hydra.run.dir={tmp_path}")
+
+
+def test_a_refused_launch_records_the_killed_attempt_it_found_as_died(tmp_path):
+    from colocated_grpo.resilience import attempts
+
+    running = {"status": "running", "world_size": 2, "attempts": [{"status": "died"}, {"started": "t1"}]}
+    (tmp_path / "run.json").write_text(json.dumps(running))
+    attempts.record_refusal(tmp_path, checkpoints.ResumeError("refused"), {"world_size": 1})
+    assert read_json(tmp_path / "run.json") == {
+        "status": "died",
+        "world_size": 2,
+        "attempts": [{"status": "died"}, {"started": "t1", "status": "died"}],
+    }
+    failed = {"status": "failed", "attempts": [{"status": "failed"}]}
+    (tmp_path / "run.json").write_text(json.dumps(failed))
+    attempts.record_refusal(tmp_path, checkpoints.ResumeError("refused"), {"world_size": 1})
+    assert read_json(tmp_path / "run.json") == failed, "a run that recorded its end keeps its record"

@@ -53,10 +53,7 @@ class RunRecord:
 
     def __init__(self, run_dir: Path, metadata: dict, resume: checkpoints.Resume, write: bool):
         self.path, self.write = run_dir / run_files.RUN, write
-        attempts = [
-            {**a, "status": a.get("status", "died")}  # ended without recording it: SIGKILL, OOM killer, node loss
-            for a in resume.previous.get("attempts", [])
-        ]
+        attempts = _ended(resume.previous)["attempts"]
         self.attempt = {"started": run_files.now(), "from_step": resume.step}
         self.data = {
             **metadata,
@@ -89,11 +86,23 @@ class RunRecord:
             run_files.write_json(self.path, redaction.redact(self.data))
 
 
+def _ended(record: dict) -> dict:
+    """A run record whose attempts all have an end: one that ended without recording it (SIGKILL, OOM killer, node
+    loss) died, and so did the run where it is still recorded as running."""
+    ended = {**record, "attempts": [{**a, "status": a.get("status", "died")} for a in record.get("attempts", [])]}
+    if record.get("status") == "running":
+        ended["status"] = "died"
+    return ended
+
+
 def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
     """Rank 0, for a run that ended before it started (refused by its config, or its data failed to build): run.json
-    says so, unless the directory already holds a run, whose record stays as it is."""
+    says so, unless the directory already holds a run, whose record stays as it is but for the end of a killed
+    attempt (no process of that run is alive: this launch holds the directory)."""
     path = run_dir / run_files.RUN
     if path.exists():
+        if (previous := run_files.read_json(path) or {}).get("status") == "running":
+            run_files.write_json(path, _ended(previous))
         return
     now = run_files.now()
     record = {**metadata, "status": "failed", "started": now, "ended": now, "error": f"{type(error).__name__}: {error}"}
