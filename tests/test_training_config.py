@@ -1,8 +1,10 @@
 """Every experiment composes and validates; each bad input fails before any model is loaded, naming key and fix."""
 
+import importlib.util
+
 import pytest
 import torch
-from conftest import CONF, compose_train, run_bounded
+from conftest import CONF, compose_train, config_problems, run_bounded
 from hydra.errors import ConfigCompositionException
 from omegaconf import open_dict
 
@@ -314,3 +316,16 @@ def test_reward_weights_and_params_take_new_keys_without_plus():
 def test_every_option_of_every_group_says_what_it_is():
     for path in CONF.glob("*/*.yaml"):
         assert path.read_text().startswith("#"), f"{path} starts with a comment saying what it is and its keys mean"
+
+
+def test_liger_kernels_without_their_package_are_refused_before_loading(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
+    message = config_problems("trainer.use_liger_kernel=true")
+    assert (
+        "trainer.use_liger_kernel=true needs the `liger-kernel` package (a GPU one): pip install liger-kernel"
+        in message
+    )
+    validate(compose_train("trainer.use_liger_kernel=false"))  # off: the package is not needed

@@ -280,7 +280,8 @@ def peft_config(cfg: DictConfig):
 
 
 def backend_problems(cfg: DictConfig) -> list[str]:
-    """The parallelism and peft groups: their packages, the adapter's options, and combinations TRL refuses."""
+    """The parallelism and peft groups and Liger kernels: their packages, the adapter's options, and combinations TRL
+    refuses."""
     problems = []
     trainer = cfg.trainer
     if cfg.parallelism.name.startswith("zero3"):
@@ -294,6 +295,11 @@ def backend_problems(cfg: DictConfig) -> list[str]:
                 f"parallelism={cfg.parallelism.name} and trainer.fsdp={trainer.fsdp!r} both shard the model: "
                 "transformers takes one of DeepSpeed and FSDP; drop trainer.fsdp or use parallelism=fsdp"
             )
+    if trainer.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+        problems.append(
+            "trainer.use_liger_kernel=true needs the `liger-kernel` package (a GPU one): pip install liger-kernel "
+            "(or trainer.use_liger_kernel=false)"
+        )
     kind = peft_name(cfg)
     if kind == "none":
         return problems
