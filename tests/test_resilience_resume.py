@@ -194,3 +194,37 @@ def test_a_refused_launch_records_the_killed_attempt_it_found_as_died(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(failed))
     attempts.record_refusal(tmp_path, checkpoints.ResumeError("refused"), {"world_size": 1})
     assert read_json(tmp_path / "run.json") == failed, "a run that recorded its end keeps its record"
+
+
+def _complete(run_dir: Path, *steps: int) -> None:
+    (run_dir / "run.json").write_text(json.dumps({"status": "running", "world_size": 2, checkpoints.MARKED: True}))
+    (run_dir / "metrics.jsonl").write_text("")
+    for step in steps:
+        (run_dir / f"checkpoint-{step}").mkdir()
+        (run_dir / f"checkpoint-{step}" / checkpoints.COMPLETE).write_text(json.dumps({"global_step": step}))
+
+
+def test_every_rank_takes_rank_0s_resume_decision_from_the_launchs_store(tmp_path, monkeypatch):
+    """Under torchrun the ranks reach the agent's store before any process group exists: rank 0 posts its decision
+    (or its refusal) there, and a rank whose view of the file system lags (checkpoint-4 not there yet) takes it."""
+    from torch.distributed import TCPStore
+
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port)}
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    rank0, rank1 = tmp_path / "rank0", tmp_path / "rank1"
+    rank0.mkdir(), rank1.mkdir()
+    _complete(rank0, 2, 4)
+    _complete(rank1, 2)
+    cfg = compose_train("trainer.max_steps=6")
+    assert checkpoints.plan(cfg, rank0).checkpoint.path == rank0 / "checkpoint-4"
+    assert checkpoints.plan(cfg, rank1, main=False).checkpoint == checkpoints.Checkpoint(rank1 / "checkpoint-4", 4)
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the agent restarted its workers: a new decision
+    with pytest.raises(checkpoints.ResumeError) as refused:
+        checkpoints.plan(compose_train("trainer.max_steps=4"), rank0)
+    with pytest.raises(checkpoints.ResumeError) as same:
+        checkpoints.plan(cfg, rank1, main=False)
+    assert str(same.value) == str(refused.value) and "reached trainer.max_steps=4" in str(same.value)

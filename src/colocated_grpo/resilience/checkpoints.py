@@ -179,10 +179,45 @@ class Resume:
 
 def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     """How this attempt starts; ResumeError where the run directory cannot be used as asked. Rank 0 decides and
-    checks; the other ranks only pick the same checkpoint (rank 0 may be writing run.json already)."""
-    run_dir = Path(run_dir)
+    checks; under torchrun the other ranks take its decision (or its refusal) from the launch's store, since their own
+    look at the file system may differ (another node's view of a network filesystem, a save being removed)."""
+    run_dir, store = Path(run_dir), _launch_store()
+    key = "colocated_grpo/resume/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart is a new launch
     if not main:
-        return Resume(latest(run_dir) if cfg.run.resume == "auto" else None)
+        if store is None:  # ranks started without a torchrun agent: each decides as rank 0 does
+            return Resume(latest(run_dir) if cfg.run.resume == "auto" else None)
+        decided = json.loads(store.get(key))
+        if "refused" in decided:
+            raise ResumeError(decided["refused"])
+        name = decided["checkpoint"]
+        return Resume(Checkpoint(run_dir / name, decided["step"]) if name else None)
+    try:
+        resume = _decide(cfg, run_dir)
+    except Exception as err:
+        if store is not None:
+            store.set(key, json.dumps({"refused": str(err) if isinstance(err, ResumeError) else f"rank 0: {err!r}"}))
+        raise
+    if store is not None:
+        store.set(
+            key, json.dumps({"checkpoint": resume.checkpoint and resume.checkpoint.path.name, "step": resume.step})
+        )
+    return resume
+
+
+def _launch_store():
+    """The torchrun agent's store, which every rank reaches before any process group exists (None for one process,
+    or ranks started without a torchrun agent)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return TCPStore(address, port, is_master=False, timeout=timedelta(minutes=10), wait_for_workers=False)
+
+
+def _decide(cfg: DictConfig, run_dir: Path) -> Resume:
     previous = read_json(run_dir / run_files.RUN) or {}
     if not previous and not (run_dir / run_files.METRICS).exists():
         return Resume()
