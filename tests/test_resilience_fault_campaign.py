@@ -92,3 +92,13 @@ def test_fault_plan_uses_every_signal_and_moment_and_follows_the_seed():
     plan = fc.plan_faults(5, seed=0)
     assert len(plan) == 5 and plan == fc.plan_faults(5, seed=0) and plan != fc.plan_faults(5, seed=1)
     assert {s for s, _ in plan} == set(fc.SIGNALS) and {m for _, m in plan} == set(fc.MOMENTS)
+
+
+def test_after_a_kill_before_the_first_checkpoint_the_next_attempt_starts_over_by_choice(tmp_path):
+    assert fc.resume_choice(tmp_path) == [], "a run that has not started yet"
+    _metrics(tmp_path, [1, 2])
+    (tmp_path / "checkpoint-2").mkdir()  # written but never marked complete
+    assert fc.resume_choice(tmp_path) == ["run.resume=restart"]
+    (tmp_path / "checkpoint-2" / "complete.json").write_text(json.dumps({"global_step": 2, "ranks": 1}))
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    assert fc.resume_choice(tmp_path) == [], "a complete checkpoint: resumed as usual"

@@ -33,6 +33,7 @@ from pathlib import Path
 from colocated_grpo import run_files
 from colocated_grpo.launch import processes
 from colocated_grpo.provenance import checkout, command_parser
+from colocated_grpo.resilience.checkpoints import latest as latest_checkpoint
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl, write_json
 
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
@@ -143,6 +144,12 @@ def _steps(run_dir: Path) -> int:
     return len(read_jsonl(run_dir / run_files.METRICS))
 
 
+def resume_choice(run_dir: Path) -> list[str]:
+    """The override a user gives the next launch: none, or, after a kill before the first complete checkpoint (steps
+    logged, nothing to resume from, which a resume refuses), the explicit choice to start over."""
+    return ["run.resume=restart"] if _steps(run_dir) and latest_checkpoint(run_dir) is None else []
+
+
 def _saving(run_dir: Path) -> bool:
     return any(p.is_dir() and not (p / "trainer_state.json").exists() for p in run_dir.glob("checkpoint-*"))
 
@@ -202,7 +209,6 @@ def campaign(out: Path, steps: int, save_steps: int, faults: int, seed: int, ove
     run_dir = (out / "run").resolve()
     saving = ["trainer.save_strategy=steps", f"trainer.save_steps={save_steps}"]
     overrides = [f"hydra.run.dir={run_dir}", f"trainer.max_steps={steps}", *saving, *overrides]
-    cmd = processes.train_command(1, overrides, checkout() / "train.py")
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     rng = random.Random(seed)
     plan = [*plan_faults(faults, seed), (None, None)]  # the last attempt runs to the end
@@ -210,6 +216,7 @@ def campaign(out: Path, steps: int, save_steps: int, faults: int, seed: int, ove
     pgids: list[int] = []
     for attempt in attempts:
         log = out / f"attempt-{attempt.number}.log"
+        cmd = processes.train_command(1, [*overrides, *resume_choice(run_dir)], checkout() / "train.py")
         run_attempt(attempt, cmd, env, run_dir, log, rng, pgids)
         print(
             f"attempt {attempt.number}: {attempt.signal or '-'} at {attempt.hit}: exit {attempt.exit_code}, steps "
