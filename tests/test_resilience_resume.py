@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import MOVING, compose_train
 from test_resilience import Job
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -107,13 +108,19 @@ def test_a_run_with_history_but_no_complete_checkpoint_is_refused_unless_restart
         checkpoints.plan(compose_train("trainer.max_steps=6", "run.resume=restart"), tmp_path)
 
 
+def _made_with(run_dir: Path) -> Path:
+    """The model cache of the xdist worker that made the run: its model's path is part of the config a resume must
+    match, and each worker has a cache of its own."""
+    return Path(yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["cache_dir"])
+
+
 def _copy(run_dir: Path, to: Path) -> Path:
     shutil.copytree(run_dir, to, symlinks=True)
     return to
 
 
 def test_a_resume_with_save_total_limit_1_starts_from_the_complete_checkpoint_and_rotates_after_marking(
-    moving_run, model_cache, tmp_path
+    moving_run, tmp_path
 ):
     """A real run's directory in the state a kill in the save left it: checkpoint-6 saved but unmarked, checkpoint-4
     complete. The resume starts from checkpoint-4, and with save_total_limit=1 each later save keeps one checkpoint."""
@@ -121,7 +128,7 @@ def test_a_resume_with_save_total_limit_1_starts_from_the_complete_checkpoint_an
     (run_dir / "checkpoint-6" / checkpoints.COMPLETE).unlink()
     _killed(run_dir)
 
-    job = Job(run_dir, model_cache, *MOVING, "trainer.max_steps=8", "trainer.save_total_limit=1")
+    job = Job(run_dir, _made_with(run_dir), *MOVING, "trainer.max_steps=8", "trainer.save_total_limit=1")
     assert job.wait() == 0, job.output[-6000:]
     assert "from checkpoint-4, step 4" in job.output
     assert job.steps() == list(range(1, 9))
@@ -142,11 +149,11 @@ def _killed(run_dir: Path) -> dict:
     return record
 
 
-def test_a_resume_with_another_world_size_is_refused_before_anything_loads(moving_run, model_cache, tmp_path):
+def test_a_resume_with_another_world_size_is_refused_before_anything_loads(moving_run, tmp_path):
     """The one-process run resumed under torchrun with two: one line naming both and the launch that continues it."""
     run_dir = _copy(moving_run.dir, tmp_path / "run")
     before = _killed(run_dir)
-    job = Job(run_dir, model_cache, *MOVING, "trainer.max_steps=8", nproc=2)
+    job = Job(run_dir, _made_with(run_dir), *MOVING, "trainer.max_steps=8", nproc=2)
     assert job.wait() != 0
     line = next(line for line in job.output.splitlines() if line.startswith("ResumeError:"))
     assert "was trained by 1 process(es) with parallelism=ddp, and this launch has 2 with parallelism=ddp" in line

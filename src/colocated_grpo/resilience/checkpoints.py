@@ -43,6 +43,7 @@ MAY_CHANGE = (
     "placement.fast_outputs",  # the same tokens and log-probs either way
     "placement.fast_sync",  # the same weights reach the engine either way
     "placement.sync_chunk_gb",
+    "placement.one_forward",  # the same loss either way
     # server placement picks free ports at every launch
     "trainer.vllm_server_host",
     "trainer.vllm_server_port",
