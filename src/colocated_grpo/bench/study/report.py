@@ -4,7 +4,6 @@ standalone generation rates and the exact commands) and study.png."""
 
 from __future__ import annotations
 
-import re
 import shlex
 from pathlib import Path
 from statistics import fmean
@@ -58,7 +57,7 @@ def rows(out: Path, study: dict) -> list[dict]:
     table = []
     for model in study["models"]:
         repeats = {
-            case: [repeat_row(d, study["warmup_steps"]) for d in repeat_dirs(out / "runs" / model / case).values()]
+            case: [repeat_row(d, study["warmup_steps"], k) for k, d in repeat_dirs(out / "runs" / model / case).items()]
             for case in study["cases"]
         }
         for case, runs in repeats.items():
@@ -69,13 +68,13 @@ def rows(out: Path, study: dict) -> list[dict]:
     return table
 
 
-def repeat_row(job_dir: Path, warmup: int) -> dict:
-    """One repeat (a run directory with its job.json): its job's status and placement, and its steady-state means
-    (MEANS) computed here from metrics.jsonl over the steps past `warmup` (a plain TRL run and ours alike, whatever
-    its summary.json left out), the fastest and slowest of those steps, and what training held of memory."""
+def repeat_row(job_dir: Path, warmup: int, repeat: int) -> dict:
+    """Repeat `repeat` of a case (a run directory with its job.json, as definition.repeat_dirs finds it): its job's
+    status and placement, and its steady-state means (MEANS) computed here from metrics.jsonl over the steps past
+    `warmup` (a plain TRL run and ours alike, whatever its summary.json left out), the fastest and slowest of those
+    steps, and what training held of memory."""
     job = tables.job_row(job_dir, job_dir.parent) or {"status": "not run"}
-    rep = re.fullmatch(r"rep(\d+)", job_dir.name)
-    row = {"repeat": int(rep[1]) if rep else 1, **job}
+    row = {"repeat": repeat, **job}
     if job["status"] != "finished":
         return row
     run = read_json(job_dir / run_files.RUN) or {}
