@@ -375,6 +375,7 @@ COMPLETIONS_PER_STEP = {
     "calibration_h200": lambda case: int(re.search(r"_(\d+)", case).group(1)),
     "plain_trl_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "plain_trl_h200_0.5b": lambda case: int(case.rsplit("_", 1)[1]),
+    "learning_h200": lambda case: 64,
 }
 
 

