@@ -229,6 +229,17 @@ def test_trainer_values_are_checked_against_grpo_field_types_all_at_once():
     )
 
 
+def test_model_init_kwargs_that_is_no_mapping_is_one_config_problem():
+    problems = config_problems("+experiment=tiny_cpu", "trainer.model_init_kwargs=null")
+    assert problems == (
+        "invalid config:\n  - trainer.model_init_kwargs=None must be a mapping of from_pretrained's keyword arguments "
+        "(e.g. trainer.model_init_kwargs={attn_implementation:sdpa}), or left out; model.dtype sets the dtype"
+    )
+    cfg = compose_train("+experiment=tiny_cpu", "trainer.model_init_kwargs={attn_implementation:sdpa}")
+    validate(cfg, 1)  # the form the message suggests
+    assert grpo_config(cfg, "unused", []).model_init_kwargs == {"attn_implementation": "sdpa", "dtype": "float32"}
+
+
 def test_trls_own_rules_refuse_with_a_config_error():
     cfg = compose_train("+experiment=tiny_cpu", "trainer.auto_find_batch_size=true")
     validate(cfg, 1)  # a valid type; TRL's __post_init__ refuses the combination

@@ -178,6 +178,12 @@ def _trainer_problems(cfg: DictConfig, world: int) -> list[str]:
             f"trainer.logging_steps={trainer.get('logging_steps')}: telemetry records every step, so it must be 1 "
             "(or turn telemetry off with telemetry=off)"
         )
+    if "model_init_kwargs" in trainer and not OmegaConf.is_dict(trainer.model_init_kwargs):
+        problems.append(
+            f"trainer.model_init_kwargs={trainer.model_init_kwargs!r} must be a mapping of from_pretrained's keyword "
+            "arguments (e.g. trainer.model_init_kwargs={attn_implementation:sdpa}), or left out; model.dtype sets "
+            "the dtype"
+        )
     problems += length_problems(cfg)
     return problems
 
