@@ -140,6 +140,19 @@ def test_preflight_refuses_long_prompts_naming_keys_and_derives_the_engine_lengt
     assert prepared.args.vllm_max_model_length == 72 and prepared.dataset[0]["prompt"].endswith("TL;DR:")
 
 
+def test_prompts_that_cannot_be_cut_to_fit_are_refused_before_the_engine_starts(tldr_dir, tmp_path):
+    """Truncation cuts the last message's text: a system prompt longer than the limit leaves every prompt too long."""
+    base = ("data=hub", f"data.path={tldr_dir}", "reward=length_chars", "logger=none", "data.max_prompt_tokens=40")
+    cfg = compose_tiny(*base, "data.overlong_prompts=truncate", f"data.system_prompt='{'Answer briefly. ' * 20}'")
+    with pytest.raises(ConfigError) as refused:
+        preflight.prepare(cfg, tmp_path, [])
+    [problem] = refused.value.problems
+    assert problem.startswith("data: 8 of 8 prompts cannot be cut to 40 tokens (data.max_prompt_tokens): what comes")
+    assert "row 0 still has" in problem and "data.overlong_prompts=drop, shorten data.system_prompt" in problem
+    prepared = preflight.prepare(compose_tiny(*base, "data.overlong_prompts=truncate"), tmp_path, [])
+    assert prepared.prompts["truncated"] == 8  # without the system prompt, the same prompts are cut to fit
+
+
 def test_too_few_rows_for_one_batch_are_refused_before_loading_with_both_numbers(tldr_dir, tmp_path):
     """TRL drops an incomplete generation batch: 3 rows for a step of 4 distinct prompts would train nothing."""
     three = write_jsonl(tmp_path / "three.jsonl", [{"prompt": f"question {i}"} for i in range(3)])

@@ -52,12 +52,15 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
     report = PromptReport(len(lengths), limit, limit_from, longest, len(over), policy)
     if not over:
         return dataset, report, []
+    room = (
+        "make room: raise trainer.vllm_max_model_length, lower trainer.max_completion_length, or set "
+        "data.max_prompt_tokens"
+    )
     if policy == "fail":
         problem = (
             f"data: {len(over)} of {len(lengths)} prompts are longer than {limit} tokens ({limit_from}); the "
             f"longest has {longest} (row {lengths.index(longest)}). Set data.overlong_prompts=truncate (keep each "
-            "prompt's end) or data.overlong_prompts=drop, or make room: raise trainer.vllm_max_model_length, "
-            "lower trainer.max_completion_length, or set data.max_prompt_tokens"
+            f"prompt's end) or data.overlong_prompts=drop, or {room}"
         )
         return dataset, report, [problem]
     if policy == "drop":
@@ -73,6 +76,15 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
         desc="truncating prompts",
     )
     report.truncated = len(over)
+    left = [len(_ids(tokenizer, p)) for p in truncated.select(over)["prompt"]]
+    if cannot := [(row, n) for row, n in zip(over, left, strict=True) if n > limit]:
+        row, n = cannot[0]
+        problem = (
+            f"data: {len(cannot)} of {len(lengths)} prompts cannot be cut to {limit} tokens ({limit_from}): what "
+            f"comes before their last message's text (chat template, system prompt, earlier messages) is longer; "
+            f"row {row} still has {n}. Set data.overlong_prompts=drop, shorten data.system_prompt, or {room}"
+        )
+        return dataset, report, [problem]
     return truncated, report, []
 
 
