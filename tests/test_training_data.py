@@ -88,6 +88,21 @@ def test_hub_dataset_without_path_and_empty_files_are_named(tmp_path):
     assert "no such file" in problems_of("data=local", f"data.files={tmp_path}/nope.jsonl")[0]
 
 
+def test_local_files_of_mixed_formats_are_each_read_by_their_own_extension(tmp_path):
+    first = write_jsonl(tmp_path / "first.jsonl", [{"prompt": "What is 1 + 1?", "answer": "2"}])
+    (second := tmp_path / "second.csv").write_text("prompt,answer\nWhat is 2 + 2?,4\nWhat is 3 + 3?,6\n")
+    third = write_jsonl(tmp_path / "third.json", [{"prompt": "What is 4 + 4?", "answer": "8"}])
+    cfg = compose_tiny("data=local", f"data.files=[{first},{second},{third}]")
+    validate(cfg, 1)
+    ds = data.build(cfg.data)
+    assert [(r["prompt"][-1]["content"], r["answer"]) for r in ds] == [
+        ("What is 1 + 1?", "2"),
+        ("What is 2 + 2?", "4"),
+        ("What is 3 + 3?", "6"),
+        ("What is 4 + 4?", "8"),
+    ]
+
+
 def test_a_hub_name_validates_without_the_network():
     validate(compose_tiny("data=hub", "data.path=trl-lib/tldr", "reward=length_chars"), 1)
 

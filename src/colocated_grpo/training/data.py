@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import random
 from collections.abc import Iterator
+from itertools import groupby
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -214,9 +215,10 @@ def _load_source(data_cfg):
             if file.stat().st_size == 0:
                 raise DataError([f"data.path={str(data_cfg.path)!r} is empty: it holds no rows"])
             files = [str(file)]  # one data file: read as data=local reads its files
-        if files is not None:  # data files, read by their extension (split: train)
-            builder = READERS.get(files[0].rsplit(".", 1)[-1].lower(), "json")
-            ds = datasets.load_dataset(builder, data_files=files, split="train")
+        if files is not None:  # data files, each read by its own extension (split: train), in their order
+            by_reader = groupby(files, lambda f: READERS.get(f.rsplit(".", 1)[-1].lower(), "json"))
+            parts = [datasets.load_dataset(r, data_files=list(g), split="train") for r, g in by_reader]
+            ds = datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts]) if parts[1:] else parts[0]
         else:
             ds = datasets.load_dataset(str(data_cfg.path), data_cfg.get("name"), split=data_cfg.split)
     except DataError:
