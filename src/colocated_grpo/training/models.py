@@ -32,13 +32,17 @@ class Shape:
     vocab_size: int | None  # None: the size of the locally trained tokenizer
     tie_word_embeddings: bool
     max_position_embeddings: int = 32768
+    dtype: str = "bfloat16"  # of the written weights
 
 
 # Real Qwen2.5 shapes (from the published config.json files); throughput depends on shapes, not weights.
 # The tiny model keeps head_dim 64: the CPU attention kernel of vLLM rejects head_dim 16.
 SHAPES: dict[str, Shape] = {
-    "tiny": Shape(128, 256, 2, 2, 2, None, True, 1024),
+    "tiny": Shape(128, 256, 2, 2, 2, None, True, 1024, "float32"),
     "qwen2.5-0.5b": Shape(896, 4864, 24, 14, 2, 151936, True),
+    # The 0.5B body with the locally trained vocabulary (about 1,000 tokens): a random model that learns a token
+    # reward within tens of steps; with 151,936 tokens its policy hardly moves in that time (docs/results.md).
+    "qwen2.5-0.5b-body": Shape(896, 4864, 24, 14, 2, None, True),
     "qwen2.5-1.5b": Shape(1536, 8960, 28, 12, 2, 151936, True),
     "qwen2.5-3b": Shape(2048, 11008, 36, 16, 2, 151936, True),
     "qwen2.5-7b": Shape(3584, 18944, 28, 28, 4, 152064, False),
@@ -159,12 +163,10 @@ def _write_model(shape: Shape, out: Path) -> None:
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         rope_theta=1_000_000.0,
-        torch_dtype="bfloat16" if shape.vocab_size else "float32",
+        torch_dtype=shape.dtype,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    if shape.vocab_size:
-        model = model.to(torch.bfloat16)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, shape.dtype))
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
