@@ -2,6 +2,8 @@
 
 import itertools
 import math
+import time
+import types
 
 import pytest
 
@@ -317,3 +319,52 @@ def test_a_profiled_phase_counts_overlapping_kernels_once_and_the_gpus_waits_for
     assert "phase generate: wall 8.0 ms, host ops 0.9 ms, GPU busy 0.1 ms (2 % of its wall time)" in text
     assert "GPU idle between kernels 2 times over 1 ms (median 3.0 ms, 5.0 ms in all)" in text
     assert text.index("aten::mm") < text.index("cudaGraphLaunch"), "kernels by GPU time, then host ops by host time"
+
+
+class FlakyNvml:
+    """pynvml's reads for one GPU, raising pynvml's own error at the reads listed in `fail_at` (1-based)."""
+
+    def __init__(self, pynvml, fail_at):
+        self.pynvml, self.fail_at, self.reads = pynvml, set(fail_at), 0
+
+    def util(self, handle):
+        self.reads += 1
+        if self.reads in self.fail_at:
+            raise self.pynvml.NVMLError(self.pynvml.NVML_ERROR_UNKNOWN)
+        return types.SimpleNamespace(gpu=50 + self.reads)
+
+
+def _sampler_on(monkeypatch, flaky) -> nvml.GpuSampler:
+    import pynvml
+
+    for name, value in {
+        "nvmlInit": lambda: None,
+        "nvmlDeviceGetHandleByUUID": lambda uuid: uuid,
+        "nvmlDeviceGetUtilizationRates": flaky.util,
+        "nvmlDeviceGetPowerUsage": lambda h: 300_000,
+        "nvmlDeviceGetMemoryInfo": lambda h: types.SimpleNamespace(used=2e9),
+        "nvmlDeviceGetClockInfo": lambda h, clock: 1980,
+    }.items():
+        monkeypatch.setattr(pynvml, name, value)
+    return nvml.GpuSampler({"0": "GPU-test"}, interval_s=0.005).start()
+
+
+def test_nvml_sampler_skips_a_transient_error_and_stops_only_when_the_gpu_keeps_failing(monkeypatch, caplog):
+    import pynvml
+
+    flaky = FlakyNvml(pynvml, fail_at=[2, 3])
+    sampler = _sampler_on(monkeypatch, flaky)
+    deadline = time.monotonic() + 10
+    while flaky.reads < 6 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    sampler.stop()
+    utils = [s.util for s in sampler.take(0, time.perf_counter())]
+    assert utils[:3] == [51, 54, 55], "the samples of the two failed reads are missing, the next ones are there"
+    assert "GPU sampling: Unknown Error (skipped)" in caplog.text
+
+    lost = FlakyNvml(pynvml, fail_at=range(3, 1000))
+    sampler = _sampler_on(monkeypatch, lost)
+    sampler._thread.join(timeout=10)
+    assert not sampler._thread.is_alive() and lost.reads == 2 + nvml.GIVE_UP_AFTER
+    assert [s.util for s in sampler.take(0, time.perf_counter())] == [51, 52]
+    assert "GPU sampling: Unknown Error (stopped)" in caplog.text

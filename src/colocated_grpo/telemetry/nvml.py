@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+GIVE_UP_AFTER = 10  # failed reads in a row that stop the sampler; fewer (a transient NVML error) skip their samples
 
 
 @dataclass(frozen=True)
@@ -98,13 +99,16 @@ class GpuSampler:
         return out
 
     def _loop(self) -> None:
-        next_t = time.perf_counter()
+        next_t, failed = time.perf_counter(), 0
         while not self._stop.is_set():
             try:
-                samples = self.read()
-            except Exception as exc:  # a GPU that stops answering must not take the run down
-                log.warning("GPU sampling stopped: %s", exc)
-                return
+                samples, failed = self.read(), 0
+            except Exception as exc:  # a failed read skips its sample; a GPU that stops answering stops the sampler
+                failed, samples = failed + 1, []
+                if failed in (1, GIVE_UP_AFTER):
+                    log.warning("GPU sampling: %s (%s)", exc, "stopped" if failed == GIVE_UP_AFTER else "skipped")
+                if failed == GIVE_UP_AFTER:
+                    return
             with self._lock:
                 self._samples.extend(samples)
             next_t += self.interval_s
