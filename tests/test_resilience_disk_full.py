@@ -92,3 +92,54 @@ def test_the_same_command_resumes_once_there_is_room(full_then_roomy):
     assert [(a["from_step"], a["status"]) for a in record["attempts"]] == [(0, "failed"), (1, "finished")]
     steps = [r["train/global_step"] for r in read_jsonl(after / "metrics.jsonl") if "train/global_step" in r]
     assert sorted(set(steps)) == [1, 2, 3] and len(steps) == len(set(steps)), steps
+
+
+# Every writer a save uses, each filling a real 1 MiB disk while it writes checkpoint-2 (checkpoint-1 complete): the
+# runner's handler of a failed save (the same call as in training) says so in one line and removes checkpoint-2.
+WRITERS = """
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+import torch.distributed.checkpoint as dcp
+from colocated_grpo.training import runner
+
+run_dir = Path(sys.argv[1])
+(run_dir / "run.json").write_text(json.dumps({"checkpoints_marked": True}))
+(run_dir / "checkpoint-1").mkdir()
+(run_dir / "checkpoint-1" / "complete.json").write_text(json.dumps({"global_step": 1}))
+big = {"weight": torch.zeros(2**20)}  # 4 MiB
+writers = {
+    "safetensors": lambda cut: save_file(big, cut / "model.safetensors"),  # save_pretrained's
+    "torch.save": lambda cut: torch.save(big, cut / "optimizer.pt"),  # optimizer, scheduler, RNG, DeepSpeed
+    "text": lambda cut: (cut / "trainer_state.json").write_text("x" * 2**22),  # JSON of transformers and ours
+    "torch.distributed.checkpoint": lambda cut: dcp.save(big, checkpoint_id=cut / "pytorch_model_fsdp_0"),  # FSDP2
+}
+for name, write in writers.items():
+    (cut := run_dir / "checkpoint-2").mkdir(exist_ok=True)
+    try:
+        write(cut)
+    except BaseException as exc:
+        full = runner._explain_disk_full(exc, run_dir, main=True)
+        left = sorted(p.name for p in run_dir.glob("checkpoint-*"))
+        print(json.dumps({"writer": name, "error": type(exc).__name__, "said": full and str(full), "left": left}))
+"""
+
+
+def test_every_writer_of_a_save_that_fills_the_disk_is_a_full_disk_and_its_cut_save_is_removed(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.fail("this test needs util-linux's unshare (apt-get install util-linux)")
+    (run_dir := tmp_path / "run").mkdir()
+    (writers := tmp_path / "writers.py").write_text(WRITERS)
+    script = f"mount -t tmpfs -o size=1m tmpfs {run_dir} && {sys.executable} {writers} {run_dir}"
+    cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", script]
+    proc = run_bounded(cmd, timeout=120)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    writers = ["safetensors", "torch.save", "text", "torch.distributed.checkpoint"]
+    assert [r["writer"] for r in results] == writers, proc.stdout + proc.stderr
+    assert [r["error"] for r in results] == ["SafetensorError", "RuntimeError", "OSError", "CheckpointException"]
+    for r in results:
+        said = f"no space left on the disk of the run directory {run_dir} ("
+        assert (r["said"] or "").startswith(said) and "MiB free of 1.0 MiB" in r["said"], r
+        assert r["said"].endswith("run the same command again to resume from checkpoint-1"), r
+        assert r["left"] == ["checkpoint-1"], f"{r['writer']}: the save it cut short is removed"
+    assert "No space left on device (os error 28)" in results[0]["said"], "safetensors' own words"

@@ -1,10 +1,12 @@
-"""A run that fails because its disk is full (an OSError with errno ENOSPC or EDQUOT, or torch's checkpoint writer
-failing, often chained): said in one line, with the directory and the space left; the same command resumes."""
+"""A run that fails because its disk is full (an OSError with errno ENOSPC or EDQUOT, an error whose message is the
+OS's for them, as safetensors' and torch.distributed.checkpoint's are, or torch's checkpoint writer failing, often
+chained): said in one line, with the directory and the space left; the same command resumes."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import re
 import shutil
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 from colocated_grpo.compat.vllm import exception_chain
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FULL_WORDS = re.compile("|".join(os.strerror(e) for e in FULL_ERRNOS))  # "No space left on device (os error 28)"
 NEARLY_FULL_BYTES = 64 * 2**20  # a writer that failed with less than this left is taken to have run out of space
 # torch.save's errors when its file cannot grow: no errno, only the C++ stream's words
 TORCH_WRITER_FAILED = re.compile(r"iostream error|inline_container\.cc|PytorchStreamWriter failed")
@@ -24,7 +27,9 @@ class DiskFull(RuntimeError):
 def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | None:
     """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None."""
     chain = list(exception_chain(exc))
-    by_errno = any(isinstance(e, OSError) and e.errno in FULL_ERRNOS for e in chain)
+    for dcp in [c for c in chain if type(c).__name__ == "CheckpointException"]:  # FSDP2's save: every rank's error
+        chain += [e for failed, _ in dcp.failures.values() for e in exception_chain(failed)]
+    by_errno = any(e.errno in FULL_ERRNOS if isinstance(e, OSError) else FULL_WORDS.search(str(e)) for e in chain)
     a_write_failed = any(isinstance(e, OSError) or TORCH_WRITER_FAILED.search(str(e)) for e in chain)
     usage = None
     with contextlib.suppress(OSError):

@@ -157,7 +157,7 @@ def _recorded(
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (resilience/process_end.py)
         status, exit_code = "interrupted", getattr(stop, "code", 130)
         raise
-    except Exception as exc:
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
         error = _explain_disk_full(exc, run_dir, main) or exc
         if error is not exc:
             raise error from exc
@@ -353,7 +353,7 @@ def _close_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _explain_disk_full(exc: Exception, run_dir: Path, main: bool) -> disk_full.DiskFull | None:
+def _explain_disk_full(exc: BaseException, run_dir: Path, main: bool) -> disk_full.DiskFull | None:
     """DiskFull for a run out of space; rank 0 removes the save it cut short, freeing room to record the failure."""
     last = checkpoints.latest(run_dir)
     full = disk_full.explain(exc, run_dir, last.path.name if last else "the start")
