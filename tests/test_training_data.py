@@ -126,16 +126,17 @@ def test_overlong_prompts_fail_drop_or_truncate_keeping_their_end(chat):
     tok = tokenizer()
     lengths = prompt_lengths.measure(ds, tok)["_prompt_tokens"]
     limit = lengths[1] // 2
+    by_data = prompt_lengths.prompt_limit(limit, 256, 32, 1024)  # data.max_prompt_tokens: the limit
 
-    kept, report, found = prompt_lengths.fit(ds, tok, limit, "data.max_prompt_tokens", "fail")
+    kept, report, found = prompt_lengths.fit(ds, tok, *by_data, "fail")
     assert report.overlong == 1 and report.longest_tokens == lengths[1]
     assert f"1 of 2 prompts are longer than {limit} tokens (data.max_prompt_tokens)" in found[0]
-    assert "data.overlong_prompts=truncate" in found[0] and "trainer.vllm_max_model_length" in found[0]
+    assert "data.overlong_prompts=truncate" in found[0] and found[0].endswith("make room: raise data.max_prompt_tokens")
 
-    kept, report, found = prompt_lengths.fit(ds, tok, limit, "data.max_prompt_tokens", "drop")
+    kept, report, found = prompt_lengths.fit(ds, tok, *by_data, "drop")
     assert not found and len(kept) == 1 and report.dropped == 1
 
-    kept, report, found = prompt_lengths.fit(ds, tok, limit, "data.max_prompt_tokens", "truncate")
+    kept, report, found = prompt_lengths.fit(ds, tok, *by_data, "truncate")
     assert not found and report.truncated == 1 and len(kept) == 2
     cut = kept[1]["prompt"] if not chat else kept[1]["prompt"][-1]["content"]
     assert cut.endswith("\nTL;DR:") and len(cut) < len(long)
@@ -153,6 +154,46 @@ def test_preflight_refuses_long_prompts_naming_keys_and_derives_the_engine_lengt
     prepared = preflight.prepare(cfg, tmp_path, [])
     assert prepared.prompts["truncated"] == 8 and prepared.prompts["derived"] == {"vllm_max_model_length": 40 + 32}
     assert prepared.args.vllm_max_model_length == 72 and prepared.dataset[0]["prompt"].endswith("TL;DR:")
+
+
+@pytest.mark.parametrize(
+    ("engine", "limit", "room"),
+    [
+        ("256", "224 tokens (trainer.vllm_max_model_length -", "raise trainer.vllm_max_model_length (at most 1024"),
+        ("1024", "992 tokens (trainer.vllm_max_model_length -", "lower"),  # already the model's whole context
+        ("null", "992 tokens (the model's max_position_embeddings -", "lower"),  # derived: the context is the limit
+    ],
+)
+def test_the_refusal_of_long_prompts_suggests_raising_the_engine_length_only_below_the_context(
+    engine, limit, room, tmp_path
+):
+    rows = write_jsonl(tmp_path / "long.jsonl", [{"prompt": POST * 40}] * 4)  # over 1024 tokens each
+    base = ("data=local", f"data.files={rows}", "data.answer_column=null", "reward=length_chars")
+    with pytest.raises(ConfigError) as refused:
+        preflight.prepare(compose_tiny(*base, f"trainer.vllm_max_model_length={engine}"), tmp_path, [])
+    [problem] = refused.value.problems
+    assert f"data: 4 of 4 prompts are longer than {limit} trainer.max_completion_length)" in problem
+    assert f"make room: {room}" in problem and problem.endswith("lower trainer.max_completion_length"), problem
+
+
+def test_dropped_or_cut_prompts_are_said_in_one_line(tmp_path):
+    rows = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": POST * (1 + i % 3)} for i in range(12)])
+    base = ("data=local", f"data.files={rows}", "data.answer_column=null", "reward=length_chars")
+    base += ("trainer.vllm_max_model_length=null",)  # derived from the prompts kept
+    prepared = preflight.prepare(compose_tiny(*base), tmp_path, [])
+    assert prompt_lengths.said(prepared.prompts) is None, "nothing dropped or cut: nothing said"
+    middle = sorted(set(prompt_lengths.measure(prepared.dataset, tokenizer())["_prompt_tokens"]))[1]
+    limit = f"data.max_prompt_tokens={middle}"
+    prepared = preflight.prepare(compose_tiny(*base, limit, "data.overlong_prompts=drop"), tmp_path, [])
+    assert len(prepared.dataset) == 8
+    assert prompt_lengths.said(prepared.prompts) == (
+        f"data.overlong_prompts=drop: dropped 4 of 12 prompts, longer than {middle} tokens (data.max_prompt_tokens; "
+        f"the longest had {prepared.prompts['longest_tokens']})"
+    )
+    prepared = preflight.prepare(compose_tiny(*base, limit, "data.overlong_prompts=truncate"), tmp_path, [])
+    assert prompt_lengths.said(prepared.prompts).startswith(
+        f"data.overlong_prompts=truncate: cut the start of 4 of 12 prompts, longer than {middle} tokens"
+    )
 
 
 def test_prompts_that_cannot_be_cut_to_fit_are_refused_before_the_engine_starts(tldr_dir, tmp_path):
@@ -215,6 +256,8 @@ def test_tldr_experiment_shape_trains_on_the_tiny_model_with_truncated_prompts(t
     prompts = record["prompts"]
     assert (prompts["rows"], prompts["limit_tokens"], prompts["policy"]) == (12, 48, "truncate")
     assert prompts["truncated"] == prompts["overlong"] > 0
+    said = f"data.overlong_prompts=truncate: cut the start of {prompts['truncated']} of 12 prompts, longer than 48 "
+    assert run.output.count(said) == 1, "said once, on the console"
     assert prompts["derived"] == {"vllm_max_model_length": 48 + 16}, "unset in the experiment: prompt + completion"
     metrics = run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2]

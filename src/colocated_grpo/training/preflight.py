@@ -64,12 +64,12 @@ def _fit_prompts(cfg: DictConfig, dataset, derived: dict):
     engine = config.trainer_value(trainer, "vllm_max_model_length") if use_vllm else None
     completion = int(config.trainer_value(trainer, "max_completion_length"))
     max_prompt = OmegaConf.select(cfg, "data.max_prompt_tokens")
-    limit, limit_from = prompt_lengths.prompt_limit(max_prompt, engine, completion, context)
+    limit = prompt_lengths.prompt_limit(max_prompt, engine, completion, context)
     policy = cfg.data.get("overlong_prompts", "fail")
-    dataset, report, found = prompt_lengths.fit(dataset, tokenizer, limit, limit_from, policy)
+    dataset, report, found = prompt_lengths.fit(dataset, tokenizer, *limit, policy)
     problems += found
     if use_vllm and engine is None and not found:
-        longest = min(report.longest_tokens, limit) if limit is not None else report.longest_tokens
+        longest = min(report.longest_tokens, report.limit_tokens or report.longest_tokens)
         derived["vllm_max_model_length"] = min(longest + completion, context or longest + completion)
     return dataset, report, problems
 

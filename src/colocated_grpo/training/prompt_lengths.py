@@ -21,16 +21,21 @@ class PromptReport:
     truncated: int = 0
 
 
-def prompt_limit(max_prompt_tokens, engine_length, completion: int, context) -> tuple[int | None, str]:
-    """(the most tokens a prompt may have, the keys it comes from): data.max_prompt_tokens if set, else what
-    trainer.vllm_max_model_length (or, unset, the model's context) leaves after trainer.max_completion_length."""
+def prompt_limit(max_prompt_tokens, engine_length, completion: int, context) -> tuple[int | None, str, str]:
+    """(the most tokens a prompt may have, the keys it comes from, how to make more room): data.max_prompt_tokens if
+    set, else what trainer.vllm_max_model_length (or, unset, the model's context) leaves after
+    trainer.max_completion_length. Raising vllm_max_model_length is suggested only while it is below the context."""
     if max_prompt_tokens:
-        return int(max_prompt_tokens), "data.max_prompt_tokens"
+        return int(max_prompt_tokens), "data.max_prompt_tokens", "raise data.max_prompt_tokens"
+    room = "lower trainer.max_completion_length"
     if engine_length:
-        return int(engine_length) - completion, "trainer.vllm_max_model_length - trainer.max_completion_length"
+        if not context or engine_length < context:
+            most = f" (at most {context}, the model's context)" if context else ""
+            room = f"raise trainer.vllm_max_model_length{most} or {room}"
+        return int(engine_length) - completion, "trainer.vllm_max_model_length - trainer.max_completion_length", room
     if context:
-        return int(context) - completion, "the model's max_position_embeddings - trainer.max_completion_length"
-    return None, "none (the model's context is unknown)"
+        return int(context) - completion, "the model's max_position_embeddings - trainer.max_completion_length", room
+    return None, "none (the model's context is unknown)", room
 
 
 def measure(dataset, tokenizer):
@@ -42,9 +47,9 @@ def measure(dataset, tokenizer):
     return dataset.map(count, batched=True, desc="measuring prompts")
 
 
-def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
+def fit(dataset, tokenizer, limit: int | None, limit_from: str, room: str, policy: str):
     """(dataset whose prompts fit in `limit` tokens, PromptReport, problems): `fail` reports a prompt too long, naming
-    the keys to change; `drop` and `truncate` fix the data instead."""
+    the keys to change (`room`: how to make more room); `drop` and `truncate` fix the data instead."""
     measured = measure(dataset, tokenizer)
     lengths = measured["_prompt_tokens"]
     longest = max(lengths, default=0)
@@ -52,10 +57,7 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
     report = PromptReport(len(lengths), limit, limit_from, longest, len(over), policy)
     if not over:
         return dataset, report, []
-    room = (
-        "make room: raise trainer.vllm_max_model_length, lower trainer.max_completion_length, or set "
-        "data.max_prompt_tokens"
-    )
+    room = f"make room: {room}"
     if policy == "fail":
         problem = (
             f"data: {len(over)} of {len(lengths)} prompts are longer than {limit} tokens ({limit_from}); the "
@@ -67,7 +69,7 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
         keep = sorted(set(range(len(lengths))) - set(over))
         report.dropped = len(over)
         if not keep:
-            return dataset, report, [f"data: every prompt is longer than {limit} tokens ({limit_from})"]
+            return dataset, report, [f"data: every prompt is longer than {limit} tokens ({limit_from}); {room}"]
         return dataset.select(keep), report, []
     over_set = set(over)
     truncated = dataset.map(
@@ -86,6 +88,17 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, policy: str):
         )
         return dataset, report, [problem]
     return truncated, report, []
+
+
+def said(prompts: dict | None) -> str | None:
+    """The console line for the prompts data.overlong_prompts dropped or cut (`prompts`: PromptReport as a dict)."""
+    if not prompts or not (prompts["dropped"] or prompts["truncated"]):
+        return None
+    done = f"dropped {prompts['dropped']}" if prompts["dropped"] else f"cut the start of {prompts['truncated']}"
+    return (
+        f"data.overlong_prompts={prompts['policy']}: {done} of {prompts['rows']} prompts, longer than "
+        f"{prompts['limit_tokens']} tokens ({prompts['limit_from']}; the longest had {prompts['longest_tokens']})"
+    )
 
 
 def truncate(prompt, tokenizer, limit: int):

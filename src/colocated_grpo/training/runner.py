@@ -32,7 +32,7 @@ from colocated_grpo.telemetry import step_line
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
 from colocated_grpo.telemetry.phases import PHASES
 from colocated_grpo.telemetry.profile import ProfileStep
-from colocated_grpo.training import config, models, preflight, rewards, wandb_logging
+from colocated_grpo.training import config, models, preflight, prompt_lengths, rewards, wandb_logging
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         resume = checkpoints.plan(cfg, run_dir, main)  # refused before the data is built (its run.json is kept)
         report_to = ["wandb"] if cfg.logger.backend == "wandb" and main else []  # TRL logs to W&B from rank 0
         prepared = preflight.prepare(cfg, run_dir, report_to)  # the dataset, prompt lengths, TRL's own rules
+    if main and (line := prompt_lengths.said(prepared.prompts)):
+        log.warning("%s", line)
     resume_command = attempts.resume_command(run_dir)  # before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE
     _prepare_environment(cfg)
 
