@@ -253,6 +253,33 @@ def test_steady_state_of_a_resumed_run_leaves_out_each_attempts_warm_up():
     assert s["timing_s/step"] == 25.0 and s["steady_state/steps"] == 2 and s["steady_state/attempts"] == 2
 
 
+def reused_step():
+    """A step of trainer.num_iterations=2 that trains on the previous step's generation: 2 s of training only."""
+    clock = FakeClock()
+    tracker = PhaseTracker(clock=clock)
+    tracker.begin_step()
+    with tracker.phase("train"):
+        clock.t += 2
+    return tracker.end_step()
+
+
+def test_a_step_that_reuses_a_generation_shows_no_rate_and_the_summary_keeps_the_final_reward(tmp_path):
+    from colocated_grpo import run_files
+    from colocated_grpo.training.runner import end_of_run_summary
+
+    generated = step_metrics([RankReport(0, recorded_step(), [], 10, 30)])  # 4 tokens/s
+    reused = step_metrics([RankReport(0, reused_step(), [], 0, 0)])
+    assert reused["perf/tokens"] == 0 and not [k for k in reused if k.startswith("perf/tokens_per_s")]
+    assert format_line(2, 4, reused) == "step 2/4 | 2.00 s (generate 0.00, train 2.00) | generation reused"
+    # TRL logs a reward for the steps that generate only
+    steps = [(generated, {"reward": 0.1}), (reused, {}), (generated, {"reward": 0.3}), (reused, {})]
+    summary = steady_state([{"train/global_step": n, **m, **r} for n, (m, r) in enumerate(steps, 1)], 0)
+    assert summary["final/reward"] == 0.3 and summary["perf/tokens_per_s_per_gpu"] == 4, "reuse steps not counted"
+    run_files.write_json(tmp_path / run_files.SUMMARY, summary)
+    lines = end_of_run_summary(tmp_path).splitlines()
+    assert "  tokens/s per GPU 4" in lines and "  final reward 0.3" in lines
+
+
 def test_empty_step_has_nan_not_crash():
     m = step_metrics([RankReport(0, StepPhases(0.0, 0.0), [], 0, 0)])
     assert m["timing_s/step"] == 0 and "perf/tokens_per_s" not in m

@@ -64,14 +64,14 @@ def step_metrics(
     prompt = sum(r.prompt_tokens for r in reports)
     completion = sum(r.completion_tokens for r in reports)
     metrics["perf/tokens"] = float(prompt + completion)
-    if step_s > 0:
+    if step_s > 0 and prompt + completion:  # none for a step that reuses a generation (trainer.num_iterations > 1)
         metrics["perf/tokens_per_s"] = (prompt + completion) / step_s
         metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / n_gpus  # every GPU used
         # per training GPU: how the server-vs-colocate comparisons usually scale server mode (N / (N - K))
         metrics["perf/tokens_per_s_per_train_gpu"] = metrics["perf/tokens_per_s"] / len(reports)
     if metrics["timing_s/generate"] > 0:
         metrics["perf/gen_tokens_per_s"] = completion / metrics["timing_s/generate"]
-    if n_params and peak_tflops_per_gpu and step_s > 0:
+    if n_params and peak_tflops_per_gpu and "perf/tokens_per_s" in metrics:
         # Training FLOPs only (forward + backward ≈ 6 · params · tokens); generation is not counted.
         metrics["perf/mfu"] = 6 * n_params * (prompt + completion) / (step_s * peak_tflops_per_gpu * 1e12 * n_gpus)
 
@@ -111,7 +111,7 @@ class SteadyState:
         self.starts = sorted({0, *starts})
         self._all = _Means()
         self._steady = _Means()
-        self._last: dict = {}
+        self._reward = None  # the latest step's that has one: a step that reuses a generation logs none
 
     def add(self, record: dict) -> None:
         step = record.get(STEP_KEY, 0)
@@ -119,7 +119,7 @@ class SteadyState:
         self._all.add(record, start)
         if self.past_warmup(step):
             self._steady.add(record, start)
-        self._last = record
+        self._reward = record.get("reward", self._reward)
 
     def past_warmup(self, step: int) -> bool:
         """Whether `step` counts in the steady state: past the warm-up of the attempt it belongs to."""
@@ -135,8 +135,8 @@ class SteadyState:
         summary["steady_state/steps"] = means.records
         summary["steady_state/warmup_steps"] = self.warmup_steps
         summary["steady_state/attempts"] = len(means.starts)  # attempts whose steps are in the means
-        if "reward" in self._last:
-            summary["final/reward"] = self._last["reward"]
+        if self._reward is not None:
+            summary["final/reward"] = self._reward
         return summary
 
 

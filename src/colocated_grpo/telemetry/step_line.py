@@ -37,6 +37,8 @@ def format_line(step: int, max_steps: int, m: dict) -> str:
         parts.append(f"{seconds:.2f} s" + (f" ({phases})" if phases else ""))
     if (rate := m.get("perf/tokens_per_s_per_gpu")) is not None:
         parts.append(f"{rate:,.0f} tok/s/GPU")
+    elif m.get("perf/tokens") == 0:  # trainer.num_iterations > 1: trained on an earlier step's generation
+        parts.append("generation reused")
     if utils := [v for k, v in m.items() if _GPU_UTIL.fullmatch(k) and v is not None]:
         parts.append(f"GPU {sum(utils) / len(utils):.0f} %")
     return " | ".join(parts)
