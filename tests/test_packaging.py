@@ -110,7 +110,11 @@ def test_summary_refuses_a_missing_directory_in_one_line_and_prints_a_run_withou
     plain = cli("summary", str(run))
     for proc, directory in ((job, sweep / "0_"), (plain, run)):
         assert proc.returncode == 0, proc.stderr
-        assert f"run {directory.name}: finished" in proc.stdout and f"{step_s:.4g}" in proc.stdout
+        assert f"{directory}: finished" in proc.stdout and f"{step_s:.4g}" in proc.stdout
+        assert "run run" not in proc.stdout
+        column = "".join(line.split("│")[2] for line in proc.stdout.splitlines() if line.count("│") > 2)  # overrides
+        overrides = json.loads((run / "run.json").read_text())["overrides"]
+        assert "".join(column.split()) == "".join(overrides), "the run's own overrides, from run.json without job.json"
         assert f"{directory} is a run directory: nothing written" in proc.stdout
         assert not (directory / "summary.csv").exists()
     whole = cli("summary", str(sweep))

@@ -161,7 +161,7 @@ def job_row(job_dir: Path, sweep_dir: Path) -> dict | None:
         run = read_json(job_dir / run_files.RUN)
         if run is None:
             return None
-        job = {"num": None, "overrides": [], "status": run.get("status")}
+        job = {"overrides": run.get("overrides") or [], "status": run.get("status"), "error": run.get("error")}
     placement = run_placement(job_dir)
     if placement["placement"] is None and job.get("placement"):  # not run: as the launcher planned it
         placement = job["placement"]
@@ -214,7 +214,7 @@ def print_run(run_dir: str | Path, file=None) -> None:
     """Print one run directory's row of the summary table; nothing is written (summary.csv is a sweep's)."""
     run_dir = Path(run_dir)
     row = job_row(run_dir, run_dir)
-    _print_table(f"run {run_dir.resolve().name}: {row['status']}", [row], file)
+    _print_table(f"{run_dir.resolve()}: {row['status']}", [row], file)
     print(f"{run_dir} is a run directory: nothing written (summary.csv is written for a sweep directory)", file=file)
 
 
