@@ -40,20 +40,17 @@ def prompt_limit(max_prompt_tokens, engine_length, completion: int, context) -> 
 
 def measure(dataset, tokenizer):
     """The dataset with a `_prompt_tokens` column: each prompt's length as the model will see it."""
-
-    def count(batch):
-        return {"_prompt_tokens": [len(_ids(tokenizer, p)) for p in batch["prompt"]]}
-
+    count = lambda batch: {"_prompt_tokens": [len(_ids(tokenizer, p)) for p in batch["prompt"]]}
     return dataset.map(count, batched=True, desc="measuring prompts")
 
 
 def fit(dataset, tokenizer, limit: int | None, limit_from: str, room: str, policy: str):
     """(dataset whose prompts fit in `limit` tokens, PromptReport, problems): `fail` reports a prompt too long, naming
     the keys to change (`room`: how to make more room); `drop` and `truncate` fix the data instead."""
-    measured = measure(dataset, tokenizer)
-    lengths = measured["_prompt_tokens"]
+    lengths = measure(dataset, tokenizer)["_prompt_tokens"]
     longest = max(lengths, default=0)
     over = [i for i, n in enumerate(lengths) if limit is not None and n > limit]
+    over_set = set(over)
     report = PromptReport(len(lengths), limit, limit_from, longest, len(over), policy)
     if not over:
         return dataset, report, []
@@ -66,12 +63,11 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, room: str, polic
         )
         return dataset, report, [problem]
     if policy == "drop":
-        keep = sorted(set(range(len(lengths))) - set(over))
+        keep = [i for i in range(len(lengths)) if i not in over_set]
         report.dropped = len(over)
         if not keep:
             return dataset, report, [f"data: every prompt is longer than {limit} tokens ({limit_from}); {room}"]
         return dataset.select(keep), report, []
-    over_set = set(over)
     truncated = dataset.map(
         lambda row, i: {"prompt": truncate(row["prompt"], tokenizer, limit)} if i in over_set else {},
         with_indices=True,
@@ -80,11 +76,11 @@ def fit(dataset, tokenizer, limit: int | None, limit_from: str, room: str, polic
     report.truncated = len(over)
     left = [len(_ids(tokenizer, p)) for p in truncated.select(over)["prompt"]]
     if cannot := [(row, n) for row, n in zip(over, left, strict=True) if n > limit]:
-        row, n = cannot[0]
         problem = (
             f"data: {len(cannot)} of {len(lengths)} prompts cannot be cut to {limit} tokens ({limit_from}): what "
             f"comes before their last message's text (chat template, system prompt, earlier messages) is longer; "
-            f"row {row} still has {n}. Set data.overlong_prompts=drop, shorten data.system_prompt, or {room}"
+            f"row {cannot[0][0]} still has {cannot[0][1]}. Set data.overlong_prompts=drop, shorten "
+            f"data.system_prompt, or {room}"
         )
         return dataset, report, [problem]
     return truncated, report, []
