@@ -6,6 +6,7 @@ repeats; plain TRL stays plain."""
 from __future__ import annotations
 
 import ast
+import json
 import math
 import re
 import subprocess
@@ -30,9 +31,11 @@ WARMUP = 2  # of 4 steps: the study's, not the telemetry default (1), so that le
 TINY_STUDY = {
     "models": ["tiny"],
     "common": ["logger=none", "trainer.max_steps=4", "run.fixed_completion_length=true"],
-    "repeats": 2,
+    "seeds": [3, 4],  # two repeats, repeat k with seed=seeds[k-1]
     "warmup_steps": WARMUP,
     "baseline": {"colocate": "plain"},
+    # its one pair as both: for the learning report to read real run files (a real control pair runs a case twice)
+    "learning": {"identity": ["colocate", "plain"], "control": ["colocate", "plain"], "final_steps": 2},
     "cases": {"colocate": [], "plain": {"kind": "plain_trl", "overrides": []}},
     "bench": {"trl_engine": TRL_ENGINE_BENCH},
 }
@@ -131,6 +134,29 @@ def test_study_bench_and_report_files(tiny_study):
     assert commands[0].endswith("hydra.sweep.dir=OUT/runs/tiny/colocate hydra.sweep.subdir=rep1")
     assert commands[3].endswith("hydra.sweep.dir=OUT/runs/tiny/plain hydra.sweep.subdir=rep2"), "in the order run"
     assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_repeat_of_a_seeded_study_runs_with_its_seed_and_the_learning_report_reads_them(tiny_study):
+    _, out, _ = tiny_study
+    runs = out / "runs" / "tiny"
+    for k, seed in ((1, 3), (2, 4)):
+        for case in ("colocate", "plain"):
+            assert yaml.safe_load((runs / case / f"rep{k}" / "config.yaml").read_text())["seed"] == seed, (case, k)
+    table = pd.read_csv(out / "learning.csv")
+    assert sorted(zip(table["case"], table["seed"], strict=True)) == [
+        ("colocate", 3),
+        ("colocate", 4),
+        ("plain", 3),
+        ("plain", 4),
+    ]
+    for _, row in table.iterrows():
+        rewards = [m["reward"] for m in read_jsonl(runs / row["case"] / f"rep{row['seed'] - 2}" / "metrics.jsonl")]
+        assert row["steps"] == 4 and row["status"] == "finished"
+        assert row["final_reward"] == pytest.approx(fmean(rewards[-2:]), abs=1e-4), "the last final_steps"
+        assert row["first_reward"] == pytest.approx(fmean(rewards[:2]), abs=1e-4)
+    md = (out / "learning.md").read_text()
+    assert "seeds 3, 4" in md and "Verdict: `colocate` against `plain` (seeds 3, 4;" in md
+    assert (out / "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_study_directory_names_no_path_of_the_machine_it_ran_on(tiny_study, run_env):
@@ -234,6 +260,94 @@ def test_a_case_is_overrides_or_a_kind_with_overrides(tmp_path):
     assert "b: give its overrides: {kind: plain_trl, overrides: [...]}" in message
     assert "c: a case mapping holds kind and overrides only, not ['x']" in message
     assert "repeats: a whole number of at least 1, not 0" in message
+
+
+def test_seeds_set_the_repeats_and_a_learning_section_names_two_pairs_of_cases(tmp_path):
+    path = tmp_path / "seeds.yaml"
+    base = {"models": ["tiny"], "cases": {"a": [], "b": []}, "baseline": "a"}
+    path.write_text(
+        yaml.safe_dump({**base, "seeds": [7, 9], "learning": {"identity": ["a", "b"], "control": ["b", "a"]}})
+    )
+    spec = study.load(path)
+    assert spec["repeats"] == 2 and spec["learning"]["final_steps"] == study.FINAL_STEPS
+    assert "seed=9" in study.case_command(spec, "tiny", "b", tmp_path / "b", repeat=2)
+    assert not any(a.startswith("seed=") for a in study.case_command(spec, "tiny", "b", tmp_path / "b")), "legacy"
+    bad = {"seeds": [1, "x"], "repeats": 3, "learning": {"identity": ["a", "c"], "control": ["a"], "final_steps": 0}}
+    path.write_text(yaml.safe_dump({**base, **bad}))
+    with pytest.raises(SystemExit) as err:
+        study.load(path)
+    message = str(err.value)
+    assert "seeds: a list of whole numbers" in message
+    assert "learning.identity: two cases of ['a', 'b'], not ['a', 'c']" in message
+    assert "learning.control: two cases of ['a', 'b'], not ['a']" in message
+    assert "learning.final_steps: a whole number of at least 1, not 0" in message
+    path.write_text(yaml.safe_dump({**base, "seeds": [1, 2], "repeats": 3}))
+    with pytest.raises(SystemExit, match="repeats: 3 but 2 seeds; give one of them"):
+        study.load(path)
+
+
+def _learning_run(case_dir, seed_repeat: int, rewards, losses=None, logp=None, status="finished"):
+    """Repeat `seed_repeat` of a case, by hand: its job record and one metrics line per step."""
+    run = case_dir / f"rep{seed_repeat}"
+    run.mkdir(parents=True)
+    write_json(run / "job.json", {"status": status})
+    lines = []
+    for i, reward in enumerate(rewards):
+        lines.append(
+            {
+                STEP_KEY: i + 1,
+                "reward": reward,
+                "loss": (losses or [0.01] * len(rewards))[i],
+                "grad_norm": 1.0 + i,
+                "sampling/sampling_logp_difference/mean": (logp or [0.005] * len(rewards))[i],
+            }
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+
+def test_the_learning_report_sets_each_pair_beside_the_control_and_each_case_against_the_seed_spread(tmp_path):
+    from colocated_grpo.bench.study import learning
+
+    out = tmp_path / "study"
+    runs = out / "runs" / "m"
+    curve = {1: [0.5, 0.6, 0.7, 0.8], 2: [0.5, 0.55, 0.6, 0.7]}  # seed → the reference's rewards
+    for seed, rewards in curve.items():
+        _learning_run(runs / "ours", seed, rewards)
+        _learning_run(runs / "trl", seed, rewards, logp=[0.005, 0.005, 0.005, 0.0051])  # one log-prob off
+        _learning_run(
+            runs / "trl_again", seed, rewards, losses=[0.01, 0.01, 0.02, 0.01], logp=[0.005, 0.006, 0.005, 0.0051]
+        )
+        _learning_run(runs / "other", seed, [0.5, 0.5, 0.5, 0.5])  # learns nothing: outside the seed spread
+    _learning_run(runs / "late", 1, [0.5, 0.6, 0.7, 0.8])
+    _learning_run(runs / "late", 2, [0.5], status="failed")
+    study_def = {
+        "models": ["m"],
+        "cases": {case: [] for case in ("ours", "trl", "trl_again", "other", "late")},
+        "seeds": [10, 20],
+        "repeats": 2,
+        "learning": {"identity": ["ours", "trl"], "control": ["trl", "trl_again"], "final_steps": 2},
+    }
+    (out / "env.json").write_text("[]")
+    learning.report(out, study_def)
+    table = pd.read_csv(out / "learning.csv")
+    ours = table[table["case"] == "ours"].set_index("seed")
+    assert ours.loc[10, "final_reward"] == pytest.approx(0.75) and ours.loc[20, "first_reward"] == pytest.approx(0.525)
+    assert ours.loc[10, "min_grad_norm"] == 1.0 and (ours["steps"] == 4).all()
+    assert table[(table["case"] == "late") & (table["seed"] == 20)]["status"].item() == "failed"
+    md = (out / "learning.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert rows["trl"].endswith("| within the seed spread |") and "10: 0.750, 20: 0.650" in rows["trl"]
+    assert rows["other"].endswith("| differs |") and "| -0.200 |" in rows["other"]
+    assert rows["late"].split(" | ")[1] == "1", "a failed seed is not counted"
+    verdict = next(line for line in md.splitlines() if line.startswith("Verdict:"))
+    assert "identical at every step for `reward`, `loss`, `grad_norm`" in verdict
+    assert "within the control pair's run-to-run spread for `sampling/sampling_logp_difference/mean`" in verdict
+    assert "| 10 | identity | 0 / 0 | 0 / 0 | 0 / 0 | 0.0001 / 2.5e-05 |" in md
+    assert "| 10 | control | 0 / 0 | 0.01 / 0.0025 | 0 / 0 | 0.001 / 0.00025 |" in md
+    assert (
+        learning.verdict_identity({"loss": 0.2}, {"loss": 0.1})
+        == "different for `loss` by at most 0.2 (control pair: 0.1)"
+    )
 
 
 def test_each_kind_has_its_command_and_each_repeat_its_directory(tmp_path):

@@ -307,7 +307,7 @@ def test_help_lists_groups_and_their_options():
     proc = run_bounded([sys.executable, str(TRAIN_SCRIPT), "--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for line in ("data: arithmetic, gsm8k, hub, local", "reward: arithmetic, length, length_chars, math"):
+    for line in ("data: arithmetic, gsm8k, hub, local", "reward: arithmetic, even_tokens, length, length_chars, math"):
         assert line in out
     assert (
         "model: local, qwen2-0.5b-instruct," in out

