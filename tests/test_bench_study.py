@@ -490,6 +490,7 @@ COMPLETIONS_PER_STEP = {
     "plain_trl_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "plain_trl_h200_0.5b": lambda case: int(case.rsplit("_", 1)[1]),
     "learning_h200": lambda case: 64,
+    "learning_h200_x2": lambda case: 64,
 }
 
 
