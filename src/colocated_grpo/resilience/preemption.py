@@ -1,6 +1,6 @@
 """Stop cleanly on SIGTERM (SLURM preemption; torchrun forwards it to every worker) and on Ctrl-C (SIGINT): the
-handler only records the signal; at the end of the step every rank learns whether any rank got one (an all-reduce),
-and together they save a checkpoint and stop; the runner exits with 128 + the signal number and says how to resume.
+handler only records the signal; at the end of the step every rank learns whether any rank got one (a gather), and
+together they save a checkpoint and stop; the runner exits with 128 + the signal number and says how to resume.
 A second signal stops at once, without a checkpoint, unless it comes within REPEAT_WINDOW_S (the same Ctrl-C
 delivered twice: by the terminal and by torchrun)."""
 
@@ -85,10 +85,6 @@ class StopOnSignal(TrainerCallback):
 
 def _max_over_ranks(value: int, args) -> int:
     import torch
-    import torch.distributed as dist
+    from accelerate.utils import gather
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    flag = torch.tensor([value], dtype=torch.int64, device=args.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+    return int(gather(torch.tensor([value], dtype=torch.int64, device=args.device)).max())  # itself on one process

@@ -130,7 +130,9 @@ def exit_now(code: int) -> None:
 
 def _first_to_report() -> bool:
     """Whether this process reports its launch's failure: the only process does, else the first of the launch's
-    processes on this node to claim it (rank 0 gets a head start)."""
+    processes on this node to claim it (rank 0 gets a head start). Not rank 0 alone: when another rank fails first,
+    rank 0 fails in the next collective and would print that consequence (a gather cut off by the peer) instead of
+    the cause (test_a_failing_two_rank_run_prints_its_error_once_without_the_libraries_noise)."""
     if not torchrun_worker():
         return True
     rank0 = int(os.environ.get("RANK", "0")) == 0

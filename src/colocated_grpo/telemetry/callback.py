@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
 from colocated_grpo import run_files
@@ -144,7 +145,7 @@ class TelemetryCallback(TrainerCallback):
         samples = self.sampler.take(phases.start, phases.end) if self.sampler else []
         prompt, completion = self.tokens.reset()
         report = aggregate.RankReport(self.trainer.accelerator.process_index, phases, samples, prompt, completion)
-        reports = _gather(report)
+        reports = gather_object([report])  # every rank's, in rank order; [report] on one process
         if not state.is_world_process_zero:
             return
         metrics = aggregate.step_metrics(reports, self.n_params if self.cuda else None, self.peak_tflops)
@@ -169,13 +170,3 @@ class TelemetryCallback(TrainerCallback):
     def pop_step_metrics(self) -> dict[str, float]:
         metrics, self.pending = self.pending, {}
         return metrics
-
-
-def _gather(report):
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [report]
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    return reports
