@@ -1,6 +1,13 @@
 """The W&B side of a resumed run: the same run id, every step logged once, none missing. Each attempt writes a W&B
 segment (a transaction log, compat/wandb.py) that `wandb sync` uploads in order as one run; after a kill, `rewind`
-cuts the rows logged after the last checkpoint and `backfill` logs the steps that never reached the log."""
+cuts the rows logged after the last checkpoint and `backfill` logs the steps that never reached the log.
+
+Why not W&B's own ways: a new run per attempt in one group would show a run that was preempted twice as three
+fragments whose step ranges overlap where a killed attempt logged past its checkpoint, with three summaries; the
+sweep tables and notebooks read one run per job. W&B's `resume_from` (rewind) truncates only online runs, on the
+server, and is a private preview; the offline runs this project logs by default have no server to rewind them. So
+offline segments are cut here, before `wandb sync`; an online run keeps rows logged after the checkpoint (W&B cannot
+be cut from here) and says so, and metrics.jsonl holds every step once either way."""
 
 from __future__ import annotations
 
