@@ -7,7 +7,6 @@ each of its sections.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from colocated_grpo.resilience import process_end
@@ -22,13 +21,21 @@ class RenamedGroup(ValueError):
 
 
 def renamed(override: str) -> str | None:
-    """What to write instead of an override of a renamed group (`vllm=server`, `+vllm=…`, `~vllm`, `vllm@pkg=…`);
-    None for any other argument."""
-    match = re.fullmatch(r"(\+{1,2}|~)?(\w+)(@[^=]*)?(=.*)?", override)
-    if not match or match[2] not in RENAMED:
+    """What to write instead of an override of a renamed group (`vllm=server`, `+vllm=…`, `~vllm`, `vllm@pkg=…`),
+    read by Hydra's own override parser; None for any other argument (`-m`, `--cfg job`, another key)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except HydraException:  # not an override (-m, --cfg): Hydra judges it
         return None
-    prefix, old, package, value = match.groups()
-    new = ("~" if prefix == "~" else "") + RENAMED[old] + (package or "") + (value or "")  # the group is a default
+    old = parsed.key_or_group
+    if old not in RENAMED:
+        return None
+    rest = override.strip()[len(parsed.get_key_element()) :]  # `=value`, as written, or nothing
+    package = f"@{parsed.package}" if parsed.package is not None else ""
+    new = ("~" if parsed.is_delete() else "") + RENAMED[old] + package + rest  # the group is a default: no `+`
     return f"the config group `{old}` is now `{RENAMED[old]}`: write {new}"
 
 
