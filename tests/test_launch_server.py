@@ -4,6 +4,7 @@ What cannot run on CPU: TRL's weight sync to a vLLM server needs NCCL and a CUDA
 (trl VLLMClient.init_communicator raises NotImplementedError otherwise), so server-mode training itself runs
 only on the GPU machine."""
 
+import signal
 import subprocess
 import sys
 import time
@@ -158,3 +159,73 @@ def _alive(pid: str) -> bool:
             return f.read().split()[2] != "Z"  # a zombie is dead, only not yet reaped
     except FileNotFoundError:
         return False
+
+
+# A trainer that saves for a second on SIGTERM and says so as the runner does, naming the command it was given.
+FAKE_TRAINER = """
+import os, signal, sys, time
+def stop(signum, frame):
+    time.sleep(1)
+    print("training stopped by SIGTERM after step 3 of 30: checkpoint saved to RUN/checkpoint-3; run files flushed "
+          "and W&B run finished. Resume with: " + os.environ["COLOCATED_GRPO_RESUME_COMMAND"], flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+print("step 1", flush=True)
+time.sleep(120)
+"""
+# The orchestrator as train.py runs it (SIGTERM handled by process_end, the exit as entry takes it), with a local
+# HTTP server for vLLM's and the script above for torchrun.
+ORCHESTRATOR = """
+import sys
+from pathlib import Path
+from omegaconf import OmegaConf
+from colocated_grpo.launch import processes, server_placement as server
+from colocated_grpo.resilience import process_end
+from colocated_grpo.resilience.preemption import TrainingInterrupted
+run_dir, trainer, served = map(Path, sys.argv[1:4])
+server.server_command = lambda cfg, model, plan: [
+    sys.executable, "-m", "http.server", str(plan.port), "--bind", "127.0.0.1", "-d", str(served)]
+processes.train_command = lambda nproc, overrides: [sys.executable, str(trainer)]
+cfg = OmegaConf.create({"placement": {"health_timeout_s": 30, "stop_grace_s": 20}})
+plan = server.ServerPlan(["0"], ["1"], processes.free_port(), processes.free_port())
+def main():
+    try:
+        server.launch(cfg, plan, run_dir, ["trainer.max_steps=30"], "model")
+    except TrainingInterrupted as stopped:
+        process_end.exit_now(stopped.code)
+process_end.run_main(main)
+"""
+
+
+def test_sigterm_on_the_orchestrator_lets_the_trainer_save_and_exits_as_interrupted_with_a_one_server_resume(
+    tmp_path,
+):
+    import psutil
+
+    run_dir, served = tmp_path / "run", tmp_path / "served"
+    run_dir.mkdir()
+    served.mkdir()
+    (served / "health").write_text("ok")
+    trainer, orchestrator = tmp_path / "trainer.py", tmp_path / "orchestrate.py"
+    trainer.write_text(FAKE_TRAINER)
+    orchestrator.write_text(ORCHESTRATOR)
+    proc = subprocess.Popen(
+        [sys.executable, str(orchestrator), str(run_dir), str(trainer), str(served)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while "step 1" not in "\n".join(processes.tail(run_dir / "trainer.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 2, "the server and the trainer run"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    resume = f"python {orchestrator} trainer.max_steps=30 hydra.run.dir={run_dir}"
+    said = "server placement: SIGTERM received; the trainer stopped (exit 143) by SIGTERM after step 3 of 30: "
+    assert said + f"checkpoint saved to RUN/checkpoint-3; the server stops too. Resume with: {resume}" in err
+    assert "nothing trained" not in err and "start-up" not in err
+    assert f"Resume with: {resume}" in (run_dir / "trainer.log").read_text(), "the trainer names the same command"
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "nothing left"

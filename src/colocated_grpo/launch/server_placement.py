@@ -2,13 +2,16 @@
 
 `python train.py placement=server` plans the GPUs and ports, starts the server, waits until it is healthy, runs the
 trainer's torchrun against it and stops the server at the end, on failure and on Ctrl-C (each child in its own
-process group). The trainer's rank 0 also samples the server's GPUs (their UUIDs in SERVER_GPUS_ENV)."""
+process group). SIGTERM or Ctrl-C during training reaches the trainer, which saves within placement.stop_grace_s;
+the orchestrator then exits as the trainer did, with the command that resumes the run with one server. The
+trainer's rank 0 also samples the server's GPUs (their UUIDs in SERVER_GPUS_ENV)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -21,6 +24,8 @@ from omegaconf import DictConfig
 from colocated_grpo import run_files
 from colocated_grpo.compat.hydra import task_overrides
 from colocated_grpo.launch import processes
+from colocated_grpo.resilience import attempts, checkpoints
+from colocated_grpo.resilience.preemption import TrainingInterrupted
 from colocated_grpo.telemetry.callback import SERVER_GPUS_ENV
 from colocated_grpo.training import config, models
 from colocated_grpo.training.config import ConfigError
@@ -162,6 +167,31 @@ def run_placement(cfg: DictConfig, run_dir: Path) -> Path:
     return run_dir
 
 
+def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, resume: str) -> int:
+    """The trainer's exit code. SIGTERM (preemption) or Ctrl-C here is passed to the trainer, which gets `grace_s`
+    to finish its step and save; then TrainingInterrupted says what was cut, exiting as the trainer did."""
+    trainer = processes.start(command, log_path, env)
+    try:
+        return trainer.wait()
+    except KeyboardInterrupt as stop:  # process_end turns SIGTERM into one (StoppedAtOnce); Ctrl-C is one
+        signum = getattr(stop, "code", 128 + signal.SIGINT) - 128
+        name = signal.Signals(signum).name
+        log.warning("%s: passed to the trainer, which has %.0f s (placement.stop_grace_s) to save", name, grace_s)
+        code = processes.stop(trainer, grace_s, signum)
+        said = [line for line in processes.tail(log_path) if "training stopped by" in line]
+        cut = said[-1].split("training stopped by", 1)[1].split("; run files", 1)[0].strip() if said else None
+        if cut:
+            what = f"the trainer stopped (exit {code}) by {cut}"
+        else:
+            last = checkpoints.latest(log_path.parent)  # the trainer's log lies in the run directory
+            what = f"the trainer stopped without saying it saved (exit {code}); latest checkpoint: {last and last.path}"
+        message = f"server placement: {name} received; {what}; the server stops too. Resume with: {resume}"
+        print(message, file=sys.stderr, flush=True)
+        raise TrainingInterrupted(code - 128 if code > 128 else signum, message) from None
+    finally:
+        processes.stop(trainer, 1.0)  # stragglers of a trainer that ended (none is the usual case)
+
+
 def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: list[str], model_path: str) -> int:
     """Run server + trainer; returns the trainer's exit code. Both process groups are gone when this returns."""
     (run_dir / run_files.PLACEMENT).write_text(json.dumps(plan_.__dict__, indent=2))
@@ -186,7 +216,9 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
         }
         trainer_log = run_dir / run_files.TRAINER_LOG
         command = processes.train_command(plan_.nproc, trainer_overrides(plan_, user_overrides, run_dir))
-        code = processes.run(command, trainer_log, env=trainer_env, grace_s=20.0)
+        resume = checkpoints.launch_command(run_dir, user_overrides, world=1)  # this process's, with one server
+        trainer_env[attempts.RESUME_COMMAND_ENV] = resume  # what the trainer's interruption line names
+        code = _run_trainer(command, trainer_log, trainer_env, float(cfg.placement.stop_grace_s), resume)
         if code != 0:
             last_lines = "\n".join(processes.tail(trainer_log))
             log.error("trainer exited with code %s; last lines of %s:\n%s", code, trainer_log, last_lines)

@@ -18,6 +18,8 @@ from colocated_grpo.resilience.preemption import StopOnSignal, TrainingInterrupt
 
 log = logging.getLogger(__name__)
 
+RESUME_COMMAND_ENV = "COLOCATED_GRPO_RESUME_COMMAND"  # set by a server placement's orchestrator for its trainer
+
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) -> None:
     """Rank 0: cut the run files and W&B segments back to the checkpoint resumed from, then record the config."""
@@ -110,7 +112,10 @@ def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
 
 
 def resume_command(run_dir: Path) -> str:
-    """How to continue this run, as a command line. Call it early: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE."""
+    """How to continue this run, as a command line (a server placement's trainer: its orchestrator's, in
+    RESUME_COMMAND_ENV). Call it early: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE."""
+    if given := os.environ.get(RESUME_COMMAND_ENV):
+        return given
     world, nproc = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return checkpoints.launch_command(run_dir, task_overrides(), world, nproc)
 
