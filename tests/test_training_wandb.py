@@ -142,3 +142,23 @@ def test_wandb_online_with_a_key_the_server_rejects_is_refused_in_one_line(train
     assert "Traceback" not in run.output and "Loading weights" not in run.output, "refused before the model loads"
     record = json.loads((run.dir / "run.json").read_text())
     assert record["status"] == "failed" and record["error"] == lines[0]
+
+
+@pytest.mark.parametrize("training", ["finishes", "fails"])
+def test_a_failure_while_the_run_ends_is_recorded_and_never_hides_the_error_that_ended_training(train, training):
+    failing_reward = ["reward=length", "+reward.modules=[failing_wandb_finish,faulty_rewards]"]
+    failing_reward.append("+reward.weights.fails_on_odd_answer=1.0")
+    modules = failing_reward if training == "fails" else ["+reward.modules=[failing_wandb_finish]"]
+    run = train("placement=none", "trainer.max_steps=2", "logger=wandb", *modules, check=False)
+    assert run.proc.returncode == 1, run.output[-3000:]
+    finish = "RuntimeError: W&B's finish failed (tests/plugins/failing_wandb_finish.py)"
+    assert f"W&B's finish failed while the run ended: {finish}" in run.output, run.output[-3000:]
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["attempts"][-1]["status"] == "failed"
+    if training == "finishes":  # the run trained every step; its ending failed, and says so as the run's error
+        assert [m["train/global_step"] for m in run.metrics()] == [1, 2]
+        assert record["error"] == finish and run.output.count(finish) == 2, "logged as it happened, then reported"
+    else:  # the reward's error ended training: it stays the error reported and recorded
+        assert record["error"].startswith("RewardError: reward 'fails_on_odd_answer'")
+        reported = [line for line in run.output.splitlines() if line.startswith(("RewardError", "RuntimeError"))]
+        assert reported[-1].startswith("RewardError: reward 'fails_on_odd_answer'"), reported

@@ -166,10 +166,17 @@ def _recorded(
         raise
     finally:
         process_end.begin()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
+        # Each part of the ending runs whatever another raised. A failure there is logged; it fails a run that
+        # had finished (run.json and the exit say so), while an error that ended training stays the one reported.
+        ending_failed: list[Exception] = []
         if wandb_run is not None:
-            wandb_run.finish(exit_code=exit_code)
-        record.end(status, error)
-        _close_process_group()
+            _ending_part("W&B's finish", lambda: wandb_run.finish(exit_code=exit_code), ending_failed)
+        if ending_failed and status == "finished":
+            status, error = "failed", ending_failed[0]
+        _ending_part("writing run.json", lambda: record.end(status, error), ending_failed)
+        _ending_part("closing the process group", _close_process_group, ending_failed)
+    if ending_failed and status != "interrupted":  # reached only when training itself ended without an error
+        raise ending_failed[0]
     if interrupted is not None:
         if main:
             log.error("%s", interrupted)
@@ -213,7 +220,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
 
 def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.StopOnSignal) -> None:
     """Every callback of ours, in the order they run: the run files and the telemetry that feeds them, the step line,
-    the W&B step, the checkpoint marked complete, the profiled step, the non-finite guard and the signal handler."""
+    the W&B step, the checkpoint marked complete, the profiled step, the signal handler and the non-finite guard
+    (last: it checks every step that saves, whoever asked for the save)."""
     t = cfg.telemetry
     telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops) if t.enabled else None
     metrics_file = MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry.pop_step_metrics if telemetry else None)
@@ -225,9 +233,9 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
     trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
     if t.profile_step:
         trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), is_main_process()))
+    trainer.add_callback(stopper)
     if cfg.run.stop_on_nonfinite:
         trainer.add_callback(StopOnNonFinite())
-    trainer.add_callback(stopper)
 
 
 def _recording_rollouts(reward_fn, run_dir: Path):
@@ -346,6 +354,15 @@ def _prepare_environment(cfg: DictConfig) -> None:
         vllm_internals.prepare_cpu()
         if cfg.placement.get("cpu_eager"):
             trl_internals.build_colocated_engines_with(**vllm_internals.run_eagerly())
+
+
+def _ending_part(what: str, part, failed: list[Exception]) -> None:
+    try:
+        part()
+    except Exception as exc:
+        log.error("%s failed while the run ended: %s: %s", what, type(exc).__name__, exc)
+        run_files.log_to_files(log, logging.ERROR, what, (type(exc), exc, exc.__traceback__))
+        failed.append(exc)
 
 
 def _close_process_group() -> None:
