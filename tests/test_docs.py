@@ -246,3 +246,18 @@ def test_citation_and_license():
         assert {"type", "title", "authors"} <= set(reference), reference
         assert (REPO / re.search(r"sweeps/results/[\w.]+/", reference["notes"])[0]).is_dir(), reference["notes"]
     assert "Apache License" in (REPO / "LICENSE").read_text()[:200]
+
+
+def test_every_test_the_signal_table_names_exists():
+    """docs/resilience.md's table of what a signal does names, per row, the tests that show it."""
+    page = (REPO / "docs" / "resilience.md").read_text()
+    table = page.split("### What a signal does, by process and phase", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line for line in table.splitlines() if line.startswith("| ") and not line.startswith(("| process", "| ---"))
+    ]
+    named = [name for row in rows for name in re.findall(r"`(test_\w+)`", row.rsplit("|", 2)[1])]
+    assert len(rows) >= 8 and all(re.search(r"`test_\w+`", row) for row in rows), "each row names its test"
+    defined = {
+        m for path in (REPO / "tests").glob("test_*.py") for m in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
+    }
+    assert not [name for name in named if name not in defined]

@@ -16,6 +16,7 @@ from colocated_grpo.bench.study import definition, portable
 from colocated_grpo.bench.study.definition import bench_command, case_command, case_status, describe, repeat_dir
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.progress import Progress, run_step
+from colocated_grpo.launch.sweep_local import sigterm_as_interrupt
 from colocated_grpo.provenance import checkout
 from colocated_grpo.run_files import write_json
 
@@ -38,7 +39,8 @@ def run(study_file: str | Path, out: str | Path) -> None:
     ]
     started = time.monotonic()
     try:
-        _run_steps(study, out, steps, repo)
+        with sigterm_as_interrupt():  # SIGTERM (kill, a scheduler) stops the study as Ctrl-C does
+            _run_steps(study, out, steps, repo)
     except KeyboardInterrupt:  # the job in flight was stopped with SIGINT and recorded as interrupted
         print(
             f"study interrupted after {time.monotonic() - started:.0f} s; run the same command again to continue",
