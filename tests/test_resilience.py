@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import MOVING, TP2, kill_tree, run_bounded, run_environment, start_own_session
 from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from colocated_grpo.compat import wandb as wandb_log
@@ -432,6 +433,22 @@ def test_diverging_policy_stops_before_its_weights_are_checkpointed(job):
     assert checkpoints.latest(j.dir).step == bad - 1, "no checkpoint of the damaged weights"
 
 
+def test_a_non_finite_step_that_is_not_a_logging_step_is_not_checkpointed(job):
+    """telemetry=off lets trainer.logging_steps be 2 while every step saves a checkpoint. Step 3's loss is NaN (a
+    fault injected in its forward), so are its gradients and the weights its update leaves. The step is logged
+    because it saves, and the guard stops the run before checkpoint-3 is written: checkpoint-2 is the newest one,
+    offered for a resume, and its weights are finite."""
+    nan_loss = ("+reward.weights.nan_loss_at_step=0.0", "+reward.params.nan_loss_at_step.step=3")
+    j = job(*FAULTY, *nan_loss, "telemetry=off", "trainer.logging_steps=2", "trainer.save_steps=1", check=False)
+    assert checkpoints.latest(j.dir).step == 2 and not (j.dir / "checkpoint-3").exists(), j.output[-4000:]
+    assert j.proc.returncode != 0
+    m = re.search(r"NonFiniteError: non-finite grad_norm=nan at step (\d+): .* Last checkpoint: (\S+)\.", j.output)
+    assert m and (int(m[1]), m[2]) == (3, str(j.dir / "checkpoint-2")), j.output[-4000:]
+    weights = load_file(j.dir / "checkpoint-2" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert [r["train/global_step"] for r in read_jsonl(j.dir / "metrics.jsonl")] == [1, 2, 3], "saving steps logged"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Units: the pieces above, with vLLM's own checks producing the error texts
 
@@ -521,6 +538,26 @@ def test_non_finite_loss_stops_training(tmp_path):
     callback.on_log(args, state, TrainerControl(), logs={"loss": 0.5, "reward": 1.0, "grad_norm": 2.0})
     with pytest.raises(nonfinite.NonFiniteError, match=r"non-finite loss=nan, reward=inf at step 7"):
         callback.on_log(args, state, TrainerControl(), logs={"loss": float("nan"), "reward": float("inf")})
+
+
+def test_a_step_saved_on_a_signal_is_logged_first_so_the_guard_checks_it(tmp_path):
+    """trainer.logging_steps=2 (telemetry=off): a SIGTERM in step 3 asks for a save that no log would precede. With
+    the callbacks as the runner installs them the step is logged before it is saved; without a save it is not."""
+    from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+    from colocated_grpo.training import runner
+
+    handler = CallbackHandler([DefaultFlowCallback()], None, None, None, None)
+    trainer = SimpleNamespace(add_callback=handler.add_callback, remove_callback=handler.remove_callback)
+    stopper = preemption.StopOnSignal()
+    runner.add_callbacks(trainer, _cfg("telemetry=off", "trainer.logging_steps=2"), tmp_path, stopper)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], logging_steps=2, save_steps=10)
+    state = TrainerState(global_step=3, max_steps=10, logging_steps=2, save_steps=10)
+    control = handler.on_step_end(args, state, TrainerControl())
+    assert not (control.should_save or control.should_log), "an ordinary step 3 keeps the logging cadence"
+    stopper.signum = signal.SIGTERM  # as its handler records a SIGTERM
+    control = handler.on_step_end(args, state, TrainerControl())
+    assert control.should_save and control.should_log
 
 
 def test_trim_run_files_keeps_each_step_once(tmp_path):

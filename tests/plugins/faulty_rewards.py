@@ -19,3 +19,18 @@ def fails_on_odd_answer(completions, answer, **_):
         if int(a) % 2:
             raise ZeroDivisionError("odd answers are not handled")
     return [0.0] * len(completions)
+
+
+@register
+def nan_loss_at_step(completions, log_metric, step: int = 0, **_):
+    """A reward of weight 0 that turns the loss of step `step` into NaN, as an overflow in the forward would: the
+    gradients and the weights the step's update leaves are NaN."""
+    trainer = log_metric.__self__  # TRL passes its own bound method
+    if "compute_loss" not in vars(trainer):
+        loss = trainer.compute_loss
+
+        def compute_loss(*args, **kwargs):
+            return loss(*args, **kwargs) * (float("nan") if trainer.state.global_step + 1 == step else 1.0)
+
+        trainer.compute_loss = compute_loss
+    return [0.0] * len(completions)

@@ -1,6 +1,7 @@
 """Stop at a non-finite loss, reward or gradient norm, at the step that logged it and before a checkpoint of the
 damaged weights is saved (`run.stop_on_nonfinite`; non-finite values of single rewards are caught earlier, naming
-function and sample, in training/rewards.py)."""
+function and sample, in training/rewards.py). A step that saves is logged too, whatever trainer.logging_steps says:
+NaN weights give a NaN gradient norm at every later step, so each save is checked against all the steps before it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ class NonFiniteError(RuntimeError):
 
 
 class StopOnNonFinite(TrainerCallback):
-    """Raise NonFiniteError when a logged loss, reward or grad norm is NaN or infinite."""
+    """Raise NonFiniteError when a logged loss, reward or grad norm is NaN or infinite. The last callback: a save that
+    any other asks for at the end of a step (a signal's) makes the step logged before it is saved."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_log = control.should_log or control.should_save
+
+    on_epoch_end = on_step_end
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         bad = {k: logs[k] for k in CHECKED if k in (logs or {}) and not _finite(logs[k])}
