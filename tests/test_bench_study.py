@@ -252,14 +252,19 @@ def test_a_case_is_overrides_or_a_kind_with_overrides(tmp_path):
     assert spec["kinds"] == {"a": "ours", "b": "plain_trl", "c": "ours"}
     assert (spec["repeats"], spec["warmup_steps"]) == (3, 1), "the defaults"
     bad = {"a": {"kind": "vanilla", "overrides": []}, "b": {"kind": "plain_trl"}, "c": {"overrides": [], "x": 1}}
-    path.write_text(yaml.safe_dump({"models": ["tiny"], "cases": bad, "baseline": "a", "repeats": 0}))
-    with pytest.raises(SystemExit) as err:
-        study.load(path)
-    message = str(err.value)
+    message = _refusal(path, {"models": ["tiny"], "cases": bad, "baseline": "a", "repeats": 0})
     assert "a: kind 'vanilla' is not one of ours, plain_trl" in message
     assert "b: give its overrides: {kind: plain_trl, overrides: [...]}" in message
     assert "c: a case mapping holds kind and overrides only, not ['x']" in message
     assert "repeats: a whole number of at least 1, not 0" in message
+
+
+def _refusal(path, definition: dict) -> str:
+    """What loading `definition` (written to `path`) is refused with."""
+    path.write_text(yaml.safe_dump(definition))
+    with pytest.raises(SystemExit) as err:
+        study.load(path)
+    return str(err.value)
 
 
 def test_seeds_set_the_repeats_and_a_learning_section_names_two_pairs_of_cases(tmp_path):
@@ -273,10 +278,7 @@ def test_seeds_set_the_repeats_and_a_learning_section_names_two_pairs_of_cases(t
     assert "seed=9" in study.case_command(spec, "tiny", "b", tmp_path / "b", repeat=2)
     assert not any(a.startswith("seed=") for a in study.case_command(spec, "tiny", "b", tmp_path / "b")), "legacy"
     bad = {"seeds": [1, "x"], "repeats": 3, "learning": {"identity": ["a", "c"], "control": ["a"], "final_steps": 0}}
-    path.write_text(yaml.safe_dump({**base, **bad}))
-    with pytest.raises(SystemExit) as err:
-        study.load(path)
-    message = str(err.value)
+    message = _refusal(path, {**base, **bad})
     assert "seeds: a list of whole numbers" in message
     assert "learning.identity: two cases of ['a', 'b'], not ['a', 'c']" in message
     assert "learning.control: two cases of ['a', 'b'], not ['a']" in message
