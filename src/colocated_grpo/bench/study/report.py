@@ -152,15 +152,18 @@ def case_row(model: str, case: str, kind: str, runs: list[dict]) -> dict:
 
 
 def speedups(baseline: list[dict], runs: list[dict]) -> dict:
-    """A case's speed-up over its baseline (both lists of repeat_row): the ratio of the mean step times, and per
-    pair (repeat k of each: run next to each other) baseline step / case step, their min and max and the list. The
-    same work per step: the time ratio is the throughput ratio."""
+    """A case's speed-up over its baseline (both lists of repeat_row): the ratio of the mean step times over the
+    repeats both finished, and per pair (repeat k of each: run next to each other) baseline step / case step, their
+    min and max and the list. The same work per step: the time ratio is the throughput ratio."""
     base = {r["repeat"]: r["step_s"] for r in baseline if r["status"] == "finished" and r.get("step_s")}
     case = {r["repeat"]: r["step_s"] for r in runs if r["status"] == "finished" and r.get("step_s")}
     if not base or not case:
         return {}
     pairs = {k: base[k] / case[k] if k in base and k in case else None for k in sorted(base.keys() | case.keys())}
-    found = {"speedup_vs_baseline": fmean(base.values()) / fmean(case.values())}
+    both = base.keys() & case.keys() or base.keys() | case.keys()  # the repeats both finished: the same conditions
+    found = {
+        "speedup_vs_baseline": fmean(base[k] for k in both if k in base) / fmean(case[k] for k in both if k in case)
+    }
     if ratios := [p for p in pairs.values() if p is not None]:
         found.update(speedup_min=min(ratios), speedup_max=max(ratios))
         found["speedup_pairs"] = ", ".join(_num(p, "{:.3f}") or "–" for p in pairs.values())  # – : a run missing
