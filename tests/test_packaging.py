@@ -133,13 +133,14 @@ def test_missing_extra_is_refused_up_front_naming_the_extra():
 
 def test_study_run_refuses_without_matplotlib_before_running_anything(tmp_path):
     """A study runs for minutes to hours and draws its figure at the end: a missing matplotlib is found at once."""
-    # this interpreter as one without matplotlib: find_spec answers that it is not installed
+    # this interpreter as one without matplotlib: find_spec answers that it is not installed, importing it fails
     proc = subprocess.run(
         [
             sys.executable,
             "-c",
             "import importlib.util, sys; real = importlib.util.find_spec; "
             "importlib.util.find_spec = lambda n, *a: None if n == 'matplotlib' else real(n, *a); "
+            "sys.modules['matplotlib'] = None; "
             "from colocated_grpo.cli import main; main(sys.argv[1:])",
             "study",
             "run",

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 from statistics import fmean
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from colocated_grpo import run_files
 from colocated_grpo.bench.study.definition import environment_lines, repeat_dirs
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
+
+if TYPE_CHECKING:  # matplotlib is the notebooks extra: the study CLI checks for it before drawing
+    from matplotlib.figure import Figure
 
 # Compared step by step between the identity pair and the control pair.
 COMPARED = ("reward", "loss", "grad_norm", "sampling/sampling_logp_difference/mean")
@@ -35,6 +37,11 @@ def runs(out: Path, study: dict, model: str, case: str) -> dict:
     return found
 
 
+def finished_seeds(case_runs: dict) -> set:
+    """The seeds at which a case's run finished (case_runs: as `runs` returns them)."""
+    return {seed for seed, run in case_runs.items() if run["status"] == "finished"}
+
+
 def seed_row(model: str, case: str, seed, run: dict, final_steps: int) -> dict:
     rewards = [m["reward"] for m in run["metrics"].values()]
     grads = [m["grad_norm"] for m in run["metrics"].values() if m.get("grad_norm") is not None]
@@ -51,19 +58,14 @@ def seed_row(model: str, case: str, seed, run: dict, final_steps: int) -> dict:
 
 
 def differences(a: dict, b: dict) -> dict[str, dict]:
-    """Per COMPARED metric, over the steps both runs logged: the largest and the mean |a − b| and the first step
-    where they differ (None: identical at every step)."""
+    """Per COMPARED metric, over the steps both runs logged: the largest and the mean |a − b|."""
     steps = sorted(a["metrics"].keys() & b["metrics"].keys())
     found = {}
     for metric in COMPARED:
-        pairs = [(s, a["metrics"][s].get(metric), b["metrics"][s].get(metric)) for s in steps]
-        gaps = [(s, abs(x - y)) for s, x, y in pairs if x is not None and y is not None]
+        pairs = [(a["metrics"][s].get(metric), b["metrics"][s].get(metric)) for s in steps]
+        gaps = [abs(x - y) for x, y in pairs if x is not None and y is not None]
         if gaps:
-            found[metric] = {
-                "max": max(g for _, g in gaps),
-                "mean": fmean(g for _, g in gaps),
-                "first_step": next((s for s, g in gaps if g > 0), None),
-            }
+            found[metric] = {"max": max(gaps), "mean": fmean(gaps)}
     return found
 
 
@@ -158,11 +160,8 @@ def identity_lines(model: str, found: dict, reference: str, compared: str, contr
     """The identity pair beside the control pair at each seed both ran: the largest and mean |Δ| per metric, the
     verdict over all seeds, then the first seed's steps side by side."""
     pairs = {"identity": (reference, compared), "control": tuple(control)}
-
-    def finished(case: str) -> set:
-        return {seed for seed, run in found[(model, case)].items() if run["status"] == "finished"}
-
-    both = {name: sorted(finished(a) & finished(b), key=str) for name, (a, b) in pairs.items()}
+    finished = {case: finished_seeds(found[(model, case)]) for case in {reference, compared, *control}}
+    both = {name: sorted(finished[a] & finished[b], key=str) for name, (a, b) in pairs.items()}
     lines = [
         f"## {model}: `{reference}` against `{compared}` at the same seed, beside the control pair "
         f"`{control[0]}` / `{control[1]}`",
@@ -190,7 +189,7 @@ def identity_lines(model: str, found: dict, reference: str, compared: str, contr
     ]
     seeds = [s for s in both["identity"] if s in both["control"]] or both["identity"]
     first = seeds[0]
-    cases = [c for c in dict.fromkeys([reference, compared, *control]) if first in finished(c)]
+    cases = [c for c in dict.fromkeys([reference, compared, *control]) if first in finished[c]]
     metrics = [found[(model, c)][first]["metrics"] for c in cases]
     lines += [f"Step by step at seed {first} (reward, loss, grad norm, sampling log-prob difference):", ""]
     labels = ("reward", "loss", "grad norm", "logp diff")  # COMPARED, shorter
@@ -205,11 +204,13 @@ def identity_lines(model: str, found: dict, reference: str, compared: str, contr
 def figure(found: dict, study: dict) -> Figure:
     """Per model: the mean reward over step of each case, its seeds' lowest and highest shaded, over the seeds every
     case finished (so that the curves compare the same seeds); curves that coincide show as dashes over a line."""
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(9.0, 4.0 * len(study["models"])), layout="constrained")
     axes = fig.subplots(len(study["models"]), 1, squeeze=False)[:, 0]
     styles = [("-", 3.0), ("--", 2.2), (":", 2.2), ("-.", 1.6), ("-", 1.0)]
     for ax, model in zip(axes, study["models"], strict=True):
-        finished = {c: {s for s, r in found[(model, c)].items() if r["status"] == "finished"} for c in study["cases"]}
+        finished = {case: finished_seeds(found[(model, case)]) for case in study["cases"]}
         common = set.intersection(*finished.values()) if finished else set()
         for i, case in enumerate(study["cases"]):
             seeds = [found[(model, case)][s]["metrics"] for s in sorted(common or finished[case], key=str)]
