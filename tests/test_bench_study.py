@@ -251,11 +251,17 @@ def test_a_case_is_overrides_or_a_kind_with_overrides(tmp_path):
     assert spec["cases"] == {"a": [], "b": ["x=1"], "c": []}
     assert spec["kinds"] == {"a": "ours", "b": "plain_trl", "c": "ours"}
     assert (spec["repeats"], spec["warmup_steps"]) == (3, 1), "the defaults"
+    cases["c"]["models"] = ["big"]  # a case for some of the models only
+    path.write_text(yaml.safe_dump({"models": ["tiny", "big"], "cases": cases, "baseline": "a"}))
+    spec = study.load(path)
+    assert (study.cases_of(spec, "tiny"), study.cases_of(spec, "big")) == (["a", "b"], ["a", "b", "c"])
     bad = {"a": {"kind": "vanilla", "overrides": []}, "b": {"kind": "plain_trl"}, "c": {"overrides": [], "x": 1}}
+    bad["d"] = {"overrides": [], "models": ["big"]}
     message = _refusal(path, {"models": ["tiny"], "cases": bad, "baseline": "a", "repeats": 0})
     assert "a: kind 'vanilla' is not one of ours, plain_trl" in message
     assert "b: give its overrides: {kind: plain_trl, overrides: [...]}" in message
-    assert "c: a case mapping holds kind and overrides only, not ['x']" in message
+    assert "c: a case mapping holds kind, overrides and models only, not ['x']" in message
+    assert "d: models: some of the study's models ['tiny'], not ['big']" in message
     assert "repeats: a whole number of at least 1, not 0" in message
 
 
@@ -411,6 +417,20 @@ def test_a_case_row_is_the_mean_of_its_repeats_with_their_spread():
     assert study_report.case_row("m", "c", "ours", [])["status"] == "not run"
 
 
+def test_the_report_shows_what_each_run_that_did_not_finish_printed(tmp_path):
+    spec = study.load(REPO / "sweeps" / "studies" / "parallelism_h200.yaml")
+    failed = _repeat(1, None, "failed", note="TrainingMemoryError: out of GPU memory | while training")
+    made = [("ddp", [_repeat(1, 2.0, train_mem_gb=90.0, gen_mem_gb=60.0)]), ("zero3", [failed])]
+    rows = [study_report.case_row("m", case, "ours", runs) for case, runs in made]
+    table = pd.DataFrame([{k: row.get(k) for k in study_report.COLUMNS} for row in rows])
+    md = study_report.markdown(tmp_path, spec, table, [])
+    assert "| GB while training | GB while generating |" in md and "| 90.0 | 60.0 |" in md
+    assert "## Runs that did not finish" in md
+    assert "| m | zero3 | failed | TrainingMemoryError: out of GPU memory \\| while training |" in md
+    sleeping = [line for line in md.splitlines() if "placement=colocate_sleep" in line]
+    assert len(sleeping) == 1 and "model=qwen2.5-7b-random" in sleeping[0], "ddp_sleep is a 7B case only"
+
+
 def test_speed_ups_pair_each_repeat_with_the_baseline_run_next_to_it():
     baseline = [_repeat(1, 4.0), _repeat(2, 6.0), _repeat(3, 5.0)]
     case = [_repeat(1, 2.0), _repeat(2, 4.0), _repeat(3, 2.5)]
@@ -493,6 +513,7 @@ COMPLETIONS_PER_STEP = {
     "plain_trl_h200_0.5b": lambda case: int(case.rsplit("_", 1)[1]),
     "learning_h200": lambda case: 64,
     "learning_h200_x2": lambda case: 64,
+    "parallelism_h200": lambda case: 128,
 }
 
 

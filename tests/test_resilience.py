@@ -27,7 +27,15 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from colocated_grpo.compat import wandb as wandb_log
 from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
 from colocated_grpo.provenance import REPO
-from colocated_grpo.resilience import checkpoints, nonfinite, preemption, redaction, startup_errors, wandb_rewind
+from colocated_grpo.resilience import (
+    checkpoints,
+    nonfinite,
+    out_of_memory,
+    preemption,
+    redaction,
+    startup_errors,
+    wandb_rewind,
+)
 from colocated_grpo.run_files import read_jsonl
 
 FAULTY = ("reward=length", "+reward.modules=[faulty_rewards]", "logger=none")
@@ -449,6 +457,26 @@ def test_a_non_finite_step_that_is_not_a_logging_step_is_not_checkpointed(job):
     assert [r["train/global_step"] for r in read_jsonl(j.dir / "metrics.jsonl")] == [1, 2, 3], "saving steps logged"
 
 
+def test_a_gpu_out_of_memory_in_training_is_one_line_of_ours_naming_the_numbers_and_what_frees_memory(train):
+    """Step 2's optimizer step raises torch's CUDA out-of-memory error (tests/plugins/optimizer_oom.py: CPU memory
+    does not run out this way); the run says so in one line, with torch's numbers and our settings, and records it."""
+    oom = ("+reward.modules=[optimizer_oom]", "+reward.weights.oom=0", "+reward.params.oom.at_step=2")
+    run = train("placement=none", "trainer.max_steps=3", *oom, check=False)
+    assert run.proc.returncode == 1, run.output[-3000:]
+    lines = [line for line in run.output.splitlines() if "out of GPU memory" in line]
+    assert len(lines) == 1 and "Traceback" not in run.output, run.output[-3000:]
+    assert lines[0].startswith(
+        "TrainingMemoryError: out of GPU memory while training in step 2: it asked for 2.00 GiB more, 1.23 GiB of the "
+        "GPU's 139.80 GiB were free, this process held 138.55 GiB (95.20 GiB of it through PyTorch's allocator). "
+        "It ran with model=tiny, parallelism=ddp, peft=none, placement=none, trainer.per_device_train_batch_size="
+    ), lines
+    assert "parallelism=zero3_offload (the optimizer state in CPU memory); peft=lora" in lines[0]
+    assert "colocate_sleep" not in lines[0], "nothing about an engine this run does not have"
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["error"] == lines[0]
+    assert [m["train/global_step"] for m in run.metrics()] == [1], "step 1 trained"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Units: the pieces above, with vLLM's own checks producing the error texts
 
@@ -510,6 +538,39 @@ def test_cuda_oom_at_startup_is_explained_and_other_errors_are_left_alone():
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert "out of GPU memory while starting" in str(startup_errors.explain_startup_error(oom, _cfg()))
     assert startup_errors.explain_startup_error(ValueError("some other problem"), _cfg()) is None
+
+
+def _oom_in(function_name: str) -> torch.OutOfMemoryError:
+    """torch's out-of-memory error as raised inside a function of that name (its frame is what names the phase)."""
+    namespace = {"torch": torch}
+    raising = "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 512.00 MiB')"
+    exec(f"def {function_name}():\n    {raising}", namespace)
+    try:
+        namespace[function_name]()
+    except torch.OutOfMemoryError as err:
+        return err
+
+
+def test_an_out_of_memory_in_training_suggests_only_what_the_run_does_not_already_use():
+    plain = str(out_of_memory.explain(_oom_in("backward"), _cfg("placement=colocate"), 4))
+    assert plain.startswith("out of GPU memory while training in step 4: it asked for 0.50 GiB more. It ran with")
+    assert "placement=colocate, vLLM's share trainer.vllm_gpu_memory_utilization=0.3" in plain
+    for remedy in ("placement=colocate_sleep", "parallelism=zero3_offload", "peft=lora"):
+        assert remedy in plain
+    chosen = _cfg(
+        "placement=colocate_sleep", "parallelism=zero3_offload", "peft=lora", "trainer.gradient_checkpointing=true"
+    )
+    already = str(out_of_memory.explain(_oom_in("backward"), chosen, 1))
+    assert "to leave more room for training: trainer.per_device_train_batch_size below" in already
+    for remedy in ("placement=colocate_sleep (", "parallelism=zero3_offload (", "peft=lora ("):
+        assert remedy not in already
+    wrapped = RuntimeError("the step failed")
+    wrapped.__cause__ = _oom_in("_move_model_to_vllm")
+    sync = str(out_of_memory.explain(wrapped, _cfg("placement=colocate"), 2))
+    assert sync.startswith("out of GPU memory while pushing the policy's weights into vLLM in step 2")
+    assert "to leave more room for vLLM: trainer.vllm_gpu_memory_utilization lower than 0.3" in sync
+    assert out_of_memory.explain(ValueError("CUDA error: device-side assert"), _cfg(), 1) is None
+    assert "\n" not in plain + already + sync, "one line"
 
 
 def test_ctrl_c_stops_at_the_end_of_the_step_and_a_late_repeat_stops_at_once(monkeypatch, tmp_path):

@@ -16,6 +16,7 @@ from colocated_grpo.resilience import process_end
 from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.disk_full import DiskFull
 from colocated_grpo.resilience.nonfinite import NonFiniteError
+from colocated_grpo.resilience.out_of_memory import TrainingMemoryError
 from colocated_grpo.resilience.preemption import TrainingInterrupted
 from colocated_grpo.resilience.startup_errors import StartupMemoryError
 from colocated_grpo.training import runner
@@ -33,6 +34,7 @@ EXPLAINED = (
     RewardError,
     NonFiniteError,
     StartupMemoryError,
+    TrainingMemoryError,
     runner.NothingTrained,
     server_placement.ServerError,
     WandbError,

@@ -19,6 +19,7 @@ from colocated_grpo.resilience import (
     attempts,
     checkpoints,
     disk_full,
+    out_of_memory,
     preemption,
     process_end,
     redaction,
@@ -121,7 +122,8 @@ def _recorded(
 ):
     """The bookkeeping around training: the run directory held, run.json (this attempt, its status and error), the
     W&B run started and finished, SIGTERM and Ctrl-C handled, the process group closed. A signal ends the run with
-    TrainingInterrupted, a run that trained no step with NothingTrained, a full disk with DiskFull."""
+    TrainingInterrupted, a run that trained no step with NothingTrained, a full disk with DiskFull, a GPU out of
+    memory in training with TrainingMemoryError."""
     if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
         run_dir_guard.claim(run_dir)
     metadata = {
@@ -160,7 +162,7 @@ def _recorded(
         status, exit_code = "interrupted", getattr(stop, "code", 130)
         raise
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
-        error = _explain_disk_full(exc, run_dir, main) or exc
+        error = _explain_disk_full(exc, run_dir, main) or _explain_out_of_memory(exc, cfg, training.trainer) or exc
         if error is not exc:
             raise error from exc
         raise
@@ -379,3 +381,8 @@ def _explain_disk_full(exc: BaseException, run_dir: Path, main: bool) -> disk_fu
     if full is not None and main:
         checkpoints.remove_incomplete(run_dir)
     return full
+
+
+def _explain_out_of_memory(exc: BaseException, cfg: DictConfig, trainer) -> out_of_memory.TrainingMemoryError | None:
+    """TrainingMemoryError for a GPU out of memory once the trainer is built (building it has startup_errors)."""
+    return None if trainer is None else out_of_memory.explain(exc, cfg, trainer.state.global_step + 1)

@@ -26,10 +26,11 @@ LEARNING, FINAL_STEPS = {"identity", "control", "final_steps"}, 5  # the keys of
 
 
 def load(path: str | Path) -> dict:
-    """A study definition, checked: models, cases (name: overrides, or name: {kind: ours|plain_trl, overrides}),
-    baseline (a case, or a mapping from cases to the case each is compared with), optional common, bench, repeats,
-    warmup_steps, seeds (repeat k runs with seed=seeds[k-1]; repeats is then their number) and learning (see
-    _learning_problems). Returned with cases as name: overrides, `kinds` as name: kind, and the defaults filled in."""
+    """A study definition, checked: models, cases (name: overrides, or name: {kind: ours|plain_trl, overrides,
+    models: the study's models it runs for, all by default}), baseline (a case, or a mapping from cases to the case
+    each is compared with), optional common, bench, repeats, warmup_steps, seeds (repeat k runs with
+    seed=seeds[k-1]; repeats is then their number) and learning (see _learning_problems). Returned with cases as
+    name: overrides, `kinds` as name: kind, `case_models` as name: its models, and the defaults filled in."""
     study = yaml.safe_load(Path(path).read_text())
     problems = []
     if not isinstance(study, dict):
@@ -44,18 +45,21 @@ def load(path: str | Path) -> dict:
         named = [*named.keys(), *named.values()] if isinstance(named, dict) else [named]
         if unknown := [b for b in named if b not in study["cases"]]:
             problems.append(f"baseline: {unknown} must be cases of {list(study['cases'])}")
-    study["kinds"] = {}
+    study["kinds"], study["case_models"] = {}, {}
     for name, value in study["cases"].items():
-        kind, overrides = OURS, value
+        kind, overrides, models = OURS, value, study.get("models") or []
         if isinstance(value, dict):
             kind, overrides = value.get("kind", OURS), value.get("overrides", [])
+            models = value.get("models", models)
             if kind not in KINDS:
                 problems.append(f"{name}: kind {kind!r} is not one of {', '.join(KINDS)}")
-            if extra := sorted(set(value) - {"kind", "overrides"}):
-                problems.append(f"{name}: a case mapping holds kind and overrides only, not {extra}")
+            if extra := sorted(set(value) - {"kind", "overrides", "models"}):
+                problems.append(f"{name}: a case mapping holds kind, overrides and models only, not {extra}")
             if "overrides" not in value:
                 problems.append(f"{name}: give its overrides: {{kind: {kind}, overrides: [...]}}")
-        study["cases"][name], study["kinds"][name] = overrides, kind
+            if not isinstance(models, list) or not models or set(models) - set(study.get("models") or []):
+                problems.append(f"{name}: models: some of the study's models {study.get('models')}, not {models!r}")
+        study["cases"][name], study["kinds"][name], study["case_models"][name] = overrides, kind, models
     for name, value in {**study["cases"], **(study.get("bench") or {})}.items():
         if not isinstance(value, list):
             problems.append(f"{name}: give a list of arguments, not {value!r}")
@@ -98,6 +102,11 @@ def _learning_problems(study: dict) -> list[str]:
     if not _whole(learning.setdefault("final_steps", FINAL_STEPS), 1):
         found.append(f"learning.final_steps: a whole number of at least 1, not {learning['final_steps']!r}")
     return found
+
+
+def cases_of(study: dict, model: str) -> list[str]:
+    """The cases run for `model`, in the order listed: every case, but one whose `models` leaves `model` out."""
+    return [case for case in study["cases"] if model in study["case_models"][case]]
 
 
 def baselines(study: dict) -> dict[str, str]:

@@ -15,6 +15,7 @@ from colocated_grpo.bench.study.definition import (
     baselines,
     bench_command,
     case_command,
+    cases_of,
     environment_lines,
     load,
     repeat_dirs,
@@ -35,7 +36,8 @@ COLUMNS = (
     *("tokens_per_s_per_gpu", "tokens_per_s_per_gpu_spread_min", "tokens_per_s_per_gpu_spread_max"),
     *("tokens_per_s_per_train_gpu", "gen_tokens_per_s_per_engine"),
     *("speedup_vs_baseline", "speedup_min", "speedup_max", "speedup_pairs"),
-    *("util_generate", "util_sync_weights", "util_train", "peak_gb", "train_mem_gb", "sync_s_per_b_params"),
+    *("util_generate", "util_sync_weights", "util_train", "peak_gb", "train_mem_gb", "gen_mem_gb"),
+    "sync_s_per_b_params",
     *("steps", "note"),
 )
 # A repeat's steady-state means: its row's key ← the metric (metrics.jsonl), averaged over the repeats.
@@ -59,12 +61,12 @@ def rows(out: Path, study: dict) -> list[dict]:
     for model in study["models"]:
         repeats = {
             case: [repeat_row(d, study["warmup_steps"], k) for k, d in repeat_dirs(out / "runs" / model / case).items()]
-            for case in study["cases"]
+            for case in cases_of(study, model)
         }
         for case, runs in repeats.items():
             row = case_row(model, case, study["kinds"][case], runs)
             if case in against:
-                row.update(speedups(repeats[against[case]], runs))
+                row.update(speedups(repeats.get(against[case], []), runs))
             table.append({key: row.get(key) for key in COLUMNS})
     return table
 
@@ -91,15 +93,14 @@ def repeat_row(job_dir: Path, warmup: int, repeat: int) -> dict:
         row["step_s"] = means.get("step_time")
     times = [m["timing_s/step"] for m in kept if "timing_s/step" in m]
     row["step_s_min"], row["step_s_max"] = (min(times), max(times)) if times else (None, None)
-    # What training has to itself: the most memory held on a training GPU while training (sleep mode frees vLLM's).
-    in_train = [
-        s["mem_gb"]
-        for s in read_jsonl(job_dir / run_files.GPU_SAMPLES)
-        if s.get("phase") == "train"
-        and steady.past_warmup(s.get(STEP_KEY, 0))
-        and not str(s.get("gpu")).startswith("server")
-    ]
-    row["train_mem_gb"] = max(in_train) if in_train else None
+    # The most memory held on a training GPU while it trained, and while it generated: what each side needs with the
+    # other beside it (sleep mode hands vLLM's share to training, and back for generation).
+    held = {"train": [], "generate": []}
+    for s in read_jsonl(job_dir / run_files.GPU_SAMPLES):
+        on_a_training_gpu = not str(s.get("gpu")).startswith("server")
+        if s.get("phase") in held and steady.past_warmup(s.get(STEP_KEY, 0)) and on_a_training_gpu:
+            held[s["phase"]].append(s["mem_gb"])
+    row["train_mem_gb"], row["gen_mem_gb"] = (max(held[p]) if held[p] else None for p in ("train", "generate"))
     row["params"] = (read_json(job_dir / run_files.SUMMARY) or {}).get("model/params")
     return row
 
@@ -137,8 +138,9 @@ def case_row(model: str, case: str, kind: str, runs: list[dict]) -> dict:
     fastest = [r["step_s_min"] for r in done if r.get("step_s_min") is not None]
     slowest = [r["step_s_max"] for r in done if r.get("step_s_max") is not None]
     row["step_s_min"], row["step_s_max"] = (min(fastest), max(slowest)) if fastest else (None, None)
-    memory = [r["train_mem_gb"] for r in done if r.get("train_mem_gb") is not None]
-    row["train_mem_gb"] = max(memory) if memory else None
+    for key in ("train_mem_gb", "gen_mem_gb"):
+        memory = [r[key] for r in done if r.get(key) is not None]
+        row[key] = max(memory) if memory else None
     params = first.get("params")
     row["params_b"] = params / 1e9 if params else None
     if params and row["placement"] in ("colocate", "colocate_sleep", "server") and row["sync_weights_s"]:
@@ -240,12 +242,12 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
         "Kind: `ours` runs train.py; `plain_trl` the same workload through an unmodified TRL GRPOTrainer",
         "(bench/plain_trl.py), measured by the same instruments. tok/s/GPU counts every GPU used (the server's too);",
         "a case and its baseline do the same work per step, so the step-time ratio is the throughput ratio. Peak GB:",
-        "the most any GPU held (a server's included); GB while training: the most a training GPU held during the",
-        "train phase (sleep mode hands vLLM's share back to training then).",
+        "the most any GPU held (a server's included); GB while training / generating: the most a training GPU held",
+        "during the train / generate phase (sleep mode hands vLLM's share to training, and back for generation).",
         "",
         f"| model | case | kind | GPUs | runs | {step_header} | gen s | sync s | sleep/wake s | train s | tok/s/GPU | "
-        "speed-up | util gen % | util train % | peak GB | GB while training |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "speed-up | util gen % | util train % | peak GB | GB while training | GB while generating |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for _, r in table.iterrows():
         low, high = ("step_s_min", "step_s_max") if single else ("step_s_spread_min", "step_s_spread_max")
@@ -264,9 +266,16 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
             _num(r["tokens_per_s_per_gpu"], "{:,.0f}"),
             speedup,
             *(_num(r[k], "{:.0f}") for k in ("util_generate", "util_train")),
-            *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb")),
+            *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb", "gen_mem_gb")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    unfinished = table[(table["status"] != "finished") & table["note"].notna()]
+    if len(unfinished):
+        lines += ["", "## Runs that did not finish", "", "What each printed (its run.json error):", ""]
+        lines += ["| model | case | status | error |", "|---|---|---|---|"]
+        for _, r in unfinished.iterrows():
+            note = str(r["note"]).replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {r['model']} | {r['case']} | {r['status']} | {note} |")
     if not single:
         lines += ["", "## Runs", "", "| model | case | step s of each run | speed-up of each pair |"]
         lines.append("|---|---|---|---|")
@@ -306,7 +315,7 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
     lines.append("```")
     for model in study["models"]:
         for repeat in [None] if single else range(1, study["repeats"] + 1):
-            for case in study["cases"]:
+            for case in cases_of(study, model):
                 command = case_command(study, model, case, Path("OUT/runs") / model / case, REPO, repeat)
                 lines.append(shlex.join(["python", *command[1:]]).replace(str(REPO) + "/", ""))
         for name, args in study["bench"].items():

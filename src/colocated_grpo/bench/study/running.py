@@ -33,7 +33,7 @@ def run(study_file: str | Path, out: str | Path) -> None:
         step
         for m in study["models"]
         for step in (
-            *((m, "case", name, k) for k in range(1, study["repeats"] + 1) for name in study["cases"]),
+            *((m, "case", name, k) for k in range(1, study["repeats"] + 1) for name in definition.cases_of(study, m)),
             *((m, "bench", name, None) for name in study["bench"]),
         )
     ]

@@ -1,0 +1,105 @@
+"""A GPU that runs out of memory once training has started: `explain` turns torch's message into one line that says
+where the step was (training, generating, pushing weights), the numbers torch saw, and which settings of ours free
+memory for that side, leaving out those already chosen. vLLM's start-up has its own (resilience/startup_errors.py)."""
+
+from __future__ import annotations
+
+import re
+import traceback
+
+from colocated_grpo.compat.vllm import CUDA_OOM, exception_chain
+
+SIZE = r"([\d.]+) (B|KiB|MiB|GiB|TiB)"
+TRIED = re.compile(rf"Tried to allocate {SIZE}")
+CAPACITY = re.compile(rf"total capacity of {SIZE} of which {SIZE} is free")
+THIS_PROCESS = re.compile(rf"this process has {SIZE} memory in use")
+BY_TORCH = re.compile(rf"{SIZE} is allocated by PyTorch")
+UNITS = {"B": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 2**10}
+
+
+class TrainingMemoryError(RuntimeError):
+    """Out of GPU memory during training; the message names the settings that leave more room."""
+
+
+def explain(exc: BaseException, cfg, step: int | None) -> TrainingMemoryError | None:
+    """A TrainingMemoryError for a CUDA out-of-memory error anywhere in `exc`'s chain; None for any other error.
+    `step` is the step it happened in (None before the first). The caller raises it `from exc`."""
+    oom = next((e for e in exception_chain(exc) if CUDA_OOM.search(f"{type(e).__name__}: {e}")), None)
+    if oom is None:
+        return None
+    where, engine_side = _where(oom)
+    at = f" in step {step}" if step else ""
+    return TrainingMemoryError(
+        f"out of GPU memory {where}{at}{_numbers(str(oom))}. {_settings(cfg)}; to leave more room "
+        f"{'for vLLM' if engine_side else 'for training'}: {'; '.join(_remedies(cfg, engine_side))}."
+    )
+
+
+def _where(oom: BaseException) -> tuple[str, bool]:
+    """Which part of the step ran out, from the frames it was raised in; True when it was vLLM's side."""
+    frames = traceback.extract_tb(oom.__traceback__)
+    if any(f.name == "_move_model_to_vllm" for f in frames):
+        return "while pushing the policy's weights into vLLM", True
+    if any("/vllm/" in f.filename.replace("\\", "/") for f in frames):
+        return "while vLLM generated (or woke from sleep)", True
+    return "while training", False
+
+
+def _numbers(message: str) -> str:
+    """What torch saw, in GiB: the allocation asked for, the GPU's free and total memory, this process's share."""
+    parts = []
+    if m := TRIED.search(message):
+        parts.append(f"it asked for {_gib(*m.groups())} GiB more")
+    if m := CAPACITY.search(message):
+        parts.append(f"{_gib(*m.groups()[2:])} GiB of the GPU's {_gib(*m.groups()[:2])} GiB were free")
+    if m := THIS_PROCESS.search(message):
+        held = f"this process held {_gib(*m.groups())} GiB"
+        if t := BY_TORCH.search(message):
+            held += f" ({_gib(*t.groups())} GiB of it through PyTorch's allocator)"
+        parts.append(held)
+    return ": " + ", ".join(parts) if parts else ""
+
+
+def _gib(value: str, unit: str) -> str:
+    return f"{float(value) * UNITS[unit]:.2f}"
+
+
+def _settings(cfg) -> str:
+    t = cfg.trainer
+    shared = f", vLLM's share trainer.vllm_gpu_memory_utilization={t.get('vllm_gpu_memory_utilization')}"
+    placement = cfg.placement.name + (shared if cfg.placement.name.startswith("colocate") else "")
+    return (
+        f"It ran with model={cfg.model.get('build') or cfg.model.name_or_path}, parallelism={cfg.parallelism.name}, "
+        f"peft={cfg.peft.name}, placement={placement}, trainer.per_device_train_batch_size="
+        f"{t.per_device_train_batch_size}, trainer.gradient_checkpointing={t.get('gradient_checkpointing')}"
+    )
+
+
+def _remedies(cfg, engine_side: bool) -> list[str]:
+    """The settings that free memory for the side that ran out, leaving out those the run already has."""
+    t, placement = cfg.trainer, cfg.placement.name
+    if engine_side:  # vLLM's reservation is full or its transient tensors found no room beside the policy
+        return [
+            f"trainer.vllm_gpu_memory_utilization lower than {t.get('vllm_gpu_memory_utilization')} (room for "
+            "vLLM's transient tensors), or a smaller training state (parallelism=zero3_offload, peft=lora)",
+            f"trainer.vllm_max_model_length lower (now {t.get('vllm_max_model_length')})",
+            "more GPUs (trainer.vllm_tensor_parallel_size splits the engine)",
+        ]
+    found = []
+    if placement == "colocate":
+        found.append("placement=colocate_sleep (vLLM hands its memory to training while it trains)")
+    if cfg.parallelism.name != "zero3_offload":
+        found.append("parallelism=zero3_offload (the optimizer state in CPU memory)")
+    if cfg.peft.name == "none":
+        found.append("peft=lora (only adapters train: no gradients or optimizer state for the base weights)")
+    if not t.get("gradient_checkpointing"):
+        found.append("trainer.gradient_checkpointing=true")
+    if placement == "colocate":
+        found.append(f"trainer.vllm_gpu_memory_utilization lower than {t.get('vllm_gpu_memory_utilization')}")
+    if int(t.per_device_train_batch_size) > 1:
+        found.append(
+            f"trainer.per_device_train_batch_size below {t.per_device_train_batch_size}, with "
+            "gradient_accumulation_steps and steps_per_generation raised to keep the completions per step"
+        )
+    found.append("more GPUs (parallelism=fsdp or zero3 shard the policy over them)")
+    return found
