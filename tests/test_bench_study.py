@@ -11,6 +11,7 @@ import math
 import re
 import subprocess
 import sys
+import tempfile
 from statistics import fmean
 
 import pandas as pd
@@ -573,6 +574,9 @@ def test_machine_paths_become_relative_or_named():
     assert portable.rewrite_text("cwd: /tmp/repo", roots) == "cwd: ."
     assert portable.rewrite_text("/tmp/sweep_2/0_ /tmp/sweep/0_", roots) == "/tmp/sweep_2/0_ A/0_", "whole names only"
     assert portable.rewrite_text("/data/tmp/repo/x /root/.cache", roots) == "/data/tmp/repo/x <home>/.cache"
+    here = portable.machine_roots(REPO / "sweeps" / "results" / "x")  # torchrun's error file: in the temp directory
+    error_file = f"error_file: {tempfile.gettempdir()}/torchelastic_ab/none_cd/attempt_0/0/error.json"
+    assert portable.rewrite_text(error_file, here) == "error_file: <tmp>/torchelastic_ab/none_cd/attempt_0/0/error.json"
 
 
 def test_the_committed_h200_results_regenerate_from_their_run_files(tmp_path):

@@ -2,7 +2,8 @@
 of this machine in its files (run.json, job.json, Hydra's records, logs) is rewritten. Paths in the checkout become
 relative to it (`train.py`, `conf`, `sweeps/results/NAME/runs/…`, as the commands in results.md are written, run
 from the repo root); a study directory outside the checkout becomes `OUT`; Python's packages, the model cache and the
-home directory become `<site-packages>`, `<python>`, `<cache>` and `<home>`."""
+home directory become `<site-packages>`, `<python>`, `<cache>` and `<home>`; other temporary files (torchrun's error
+files) `<tmp>`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import re
 import site
 import sys
+import tempfile
 from pathlib import Path
 
 from colocated_grpo.provenance import REPO
@@ -24,7 +26,7 @@ def machine_roots(out: str | Path) -> list[tuple[str, str]]:
     study = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else "OUT"
     roots = [(str(out), study), (str(REPO), ".")]
     roots += [(path, "<site-packages>") for path in {*site.getsitepackages(), site.getusersitepackages()}]
-    roots += [(sys.prefix, "<python>"), (str(Path.home()), "<home>")]
+    roots += [(sys.prefix, "<python>"), (str(Path.home()), "<home>"), (tempfile.gettempdir(), "<tmp>")]
     if cache := os.environ.get("COLOCATED_GRPO_CACHE"):
         roots.append((str(Path(cache).resolve()), "<cache>"))
     return roots

@@ -225,7 +225,7 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
         explained = "Steady-state means over the steps after warm-up, with the fastest and slowest of those steps."
     else:
         conditions = (
-            f"{study['repeats']} runs per case, interleaved (run 1 of every case in the order listed, then run 2, …: "
+            f"{_runs(study['repeats'])} per case, interleaved (run 1 of every case in the order listed, then run 2, …: "
             f"a case and its baseline ran next to each other); the first {_steps(warmup)} of every run left out"
         )
         step_header = "step s (runs min–max)"
@@ -323,6 +323,10 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
             lines.append(shlex.join(["python", *command[1:]]))
     lines += ["```", "", "![step time by phase and throughput](study.png)", ""]
     return "\n".join(lines)
+
+
+def _runs(n: int) -> str:
+    return "one run" if n == 1 else f"{n} runs"
 
 
 def _steps(n: int) -> str:
