@@ -472,3 +472,12 @@ def test_hydras_basic_launcher_is_refused_before_any_job_runs(run_sweep):
     assert "hydra/launcher=basic runs every job of this multirun inside one process" in proc.stderr
     assert "hydra/launcher=torchrun" in proc.stderr
     assert not list(sweep_dir.rglob("run.json")), "nothing ran"
+
+
+def test_a_job_whose_process_a_signal_killed_says_so_in_one_line_of_ours():
+    """The log of a 7B ZeRO-3 + CPU offload job on one H200: its training process got SIGKILL while DeepSpeed set up
+    the offloaded optimizer, and torchrun's summary is all the log has about it."""
+    log = REPO / "sweeps/results/parallelism_h200/runs/qwen2.5-7b-random/zero3_offload/rep1/job.log"
+    line = sweep_local.error_line(log)
+    assert line.startswith("Killed: training process 1794 was ended by SIGKILL (signal 9) without an error of its own")
+    assert "the kernel's out-of-memory killer" in line and "ChildFailedError" not in line

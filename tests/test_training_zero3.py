@@ -77,6 +77,36 @@ def _optimizer_states(checkpoint: Path) -> dict:
     return torch.load(path, weights_only=False, map_location="cpu")
 
 
+def test_an_offloaded_optimizer_this_node_cannot_hold_is_refused_before_the_model_loads(monkeypatch):
+    """16 bytes per parameter (fp32 weights, gradients, Adam's moments) in CPU memory: the kernel's out-of-memory
+    killer ended a 7B run on a 125 GiB H200 host with SIGKILL. The tiny model's own count, read from its files."""
+    from colocated_grpo.training import models, preflight
+
+    cfg = compose_train("parallelism=zero3_offload")
+    params = models.parameter_count(models.resolve(cfg.model))  # builds the tiny model into the test's cache
+    assert params == sum(p.numel() for p in _tiny_model(cfg).parameters())
+    need = 16 * params
+    assert preflight.offload_beyond_host_memory(cfg, available=need) == []
+    [refusal] = preflight.offload_beyond_host_memory(cfg, available=need - 1)
+    assert refusal.startswith(
+        f"parallelism=zero3_offload keeps 16 bytes per parameter in CPU memory (fp32 weights and gradients, Adam's "
+        f"two moments), sharded over the ranks: this node's 1 of 1 ranks need ~0 GiB for {params / 1e9:.2f}e9 "
+        "parameters, but 0 GiB are available"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "4")  # two nodes of two ranks: this node holds half
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert preflight.offload_beyond_host_memory(cfg, available=need // 2) == []
+    assert preflight.offload_beyond_host_memory(compose_train("parallelism=zero3"), available=0) == []
+
+
+def _tiny_model(cfg):
+    from transformers import AutoModelForCausalLM
+
+    from colocated_grpo.training import models
+
+    return AutoModelForCausalLM.from_pretrained(models.resolve(cfg.model))
+
+
 def test_zero3_in_a_plain_python_process_gets_torchruns_rendezvous(monkeypatch):
     """`python train.py parallelism=zero3` is one process that no launcher set up: it gets the variables `torchrun
     --nproc_per_node=1` would set (DeepSpeed would look for MPI otherwise); a launcher's own are left alone."""

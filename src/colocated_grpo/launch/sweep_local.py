@@ -102,9 +102,15 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
 
 
+# torchrun's summary of a worker that a signal ended: "  traceback : Signal 9 (SIGKILL) received by PID 1794"
+_SIGNALLED = re.compile(r"^traceback\s*: Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
+
+
 def error_line(log_path: Path) -> str | None:
-    """The last exception a failed job's log reports (the cause, not torchrun's ChildFailedError about it)."""
-    found = None
+    """The last exception a failed job's log reports (the cause, not torchrun's ChildFailedError about it); for a
+    worker that a signal ended without an error of its own (the kernel's out-of-memory killer sends SIGKILL), a line
+    of ours that says so."""
+    found = signalled = None
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -113,8 +119,17 @@ def error_line(log_path: Path) -> str | None:
                 exception = ":" in line and " " not in head and head.endswith(("Error", "Exception", "Interrupt"))
                 if exception and not head.endswith("ChildFailedError"):
                     found = line
+                signalled = _SIGNALLED.match(line) or signalled
     except OSError:
         pass
+    if found is None and signalled is not None:
+        number, name, pid = signalled.groups()
+        found = f"Killed: training process {pid} was ended by {name} (signal {number}) without an error of its own"
+        if name == "SIGKILL":
+            found += (
+                "; when nobody sent it, it is the kernel's out-of-memory killer: the host ran out of CPU memory "
+                "(`dmesg` names it; parallelism=zero3_offload keeps the optimizer state and fp32 weights there)"
+            )
     return found
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -121,6 +122,19 @@ def _from_config(config, source: str) -> Architecture:
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     return Architecture(heads, kv_heads, config.get("vocab_size"), config.get("max_position_embeddings"), source)
+
+
+def parameter_count(path: str | Path) -> int | None:
+    """The parameters in a local model directory's safetensors files, read from their headers (no weight loads);
+    None when it has none (a hub id, other formats)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    count = 0
+    for file in files:
+        with safe_open(file, "pt") as weights:
+            count += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())  # noqa: SIM118 (no iteration on safe_open)
+    return count or None
 
 
 def build(shape_name: str, target: Path) -> Path:

@@ -4,6 +4,7 @@ every prompt's length in tokens, and TRL's own rules on the trainer settings; al
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +37,7 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
         problems += err.problems
     if dataset is not None and not problems:
         problems += _too_few_prompts(cfg, len(dataset), args)
+    problems += offload_beyond_host_memory(cfg)
     if problems:
         raise config.ConfigError(problems)
     prompts = {**dataclasses.asdict(report), **({"derived": derived} if derived else {})} if report else None
@@ -92,4 +94,34 @@ def _too_few_prompts(cfg: DictConfig, rows: int, args) -> list[str]:
         f"(trainer.per_device_train_batch_size={args.per_device_train_batch_size} x {processes} process(es) x "
         f"steps_per_generation {args.steps_per_generation} / trainer.num_generations={args.num_generations}), so "
         f"no step would train; use {' or '.join(fixes)}"
+    ]
+
+
+# What ZeRO-Offload keeps in CPU memory per parameter: fp32 weights, fp32 gradients and Adam's two fp32 moments.
+OFFLOADED_BYTES_PER_PARAMETER = 16
+
+
+def offload_beyond_host_memory(cfg: DictConfig, available: int | None = None) -> list[str]:
+    """The refusal of an optimizer offloaded to CPU memory that this node cannot hold (`available` bytes, by default
+    what the OS says): the kernel's out-of-memory killer would end the run with SIGKILL while DeepSpeed sets up."""
+    if OmegaConf.select(cfg, "trainer.deepspeed.zero_optimization.offload_optimizer.device") != "cpu":
+        return []
+    params = models.parameter_count(models.resolve(cfg.model))
+    if params is None:
+        return []
+    import psutil
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # the state is sharded over every rank of every node
+    need = OFFLOADED_BYTES_PER_PARAMETER * params * local / world
+    available = psutil.virtual_memory().available if available is None else available
+    if need <= available:
+        return []
+    return [
+        f"parallelism={cfg.parallelism.name} keeps {OFFLOADED_BYTES_PER_PARAMETER} bytes per parameter in CPU "
+        "memory (fp32 weights and gradients, Adam's two moments), sharded over the ranks: this node's "
+        f"{local} of {world} ranks need ~{need / 2**30:.0f} GiB for {params / 1e9:.2f}e9 parameters, but "
+        f"{available / 2**30:.0f} GiB are available, and the kernel would kill the run (SIGKILL) while DeepSpeed "
+        "sets up. Spread it over more nodes, use peft=lora, or keep the optimizer on the GPU (parallelism=zero3, "
+        "or parallelism=ddp with placement=colocate_sleep) where the GPU holds it"
     ]

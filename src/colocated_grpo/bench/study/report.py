@@ -269,12 +269,13 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
             *(_num(r[k], "{:.1f}") for k in ("peak_gb", "train_mem_gb", "gen_mem_gb")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    unfinished = table[(table["status"] != "finished") & table["note"].notna()]
+    unfinished = table[~table["status"].isin(["finished", "not run"])]
     if len(unfinished):
-        lines += ["", "## Runs that did not finish", "", "What each printed (its run.json error):", ""]
+        lines += ["", "## Runs that did not finish", "", "What each printed (the error its job recorded):", ""]
         lines += ["| model | case | status | error |", "|---|---|---|---|"]
         for _, r in unfinished.iterrows():
-            note = str(r["note"]).replace("|", "\\|").replace("\n", " ")
+            note = "none recorded: see its job.log" if tables.missing(r["note"]) else r["note"]
+            note = str(note).replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {r['model']} | {r['case']} | {r['status']} | {note} |")
     if not single:
         lines += ["", "## Runs", "", "| model | case | step s of each run | speed-up of each pair |"]
