@@ -615,6 +615,32 @@ def test_the_committed_plain_trl_results_regenerate_and_hold_the_readme_headline
         assert plain["other_s"] > 5 * ours["other_s"], "TRL's extra forward is gone from ours"
 
 
+def test_the_committed_parallelism_results_regenerate_and_docs_parallelism_holds_their_numbers(tmp_path):
+    """sweeps/results/parallelism_h200: what each backend costs and what fits on one H200. Each finished case's step
+    time, throughput and memory in docs/parallelism.md are its results.csv row; 7B ZeRO-3 and FSDP2 failed with our
+    one-line memory error."""
+    table = _regenerated("parallelism_h200", tmp_path)
+    doc = (REPO / "docs" / "parallelism.md").read_text()
+    names = {"ddp": "`ddp`", "ddp_sleep": "`ddp` + `placement=colocate_sleep`", "lora_ddp": "`peft=lora` (DDP)"}
+    names.update(lora_zero3="`peft=lora parallelism=zero3`", zero3="`zero3`", zero3_offload="`zero3_offload`")
+    names["ddp_trl_sync"] = "`ddp` + `placement.fast_sync=false` (TRL's sync)"
+    finished = table[table["status"] == "finished"]
+    assert len(finished) >= 9
+    for (model, case), r in finished.iterrows():
+        size = model.split("-")[1].upper()
+        numbers = [f"{r[k]:.2f}" for k in ("step_s", "generate_s")] + [f"{r['sync_weights_s']:.3f}"]
+        numbers += [f"{r['train_s']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}"]
+        numbers += [f"{r[k]:.1f}" for k in ("train_mem_gb", "gen_mem_gb")]
+        row = f"| {size} | {names[case]} | yes | " + " | ".join(numbers) + " |"
+        assert row in doc, row
+    for case in ("zero3", "fsdp"):
+        failed = table.loc[("qwen2.5-7b-random", case)]
+        assert failed["status"] == "failed" and failed["note"].startswith(
+            "TrainingMemoryError: out of GPU memory while training in step 1"
+        )
+        assert f"| 7B | `{case}` | no: GPU memory in step 1 |" in doc
+
+
 def test_a_copied_tree_records_the_commit_it_was_given(tmp_path, monkeypatch):
     """A tree copied without .git (as onto a GPU machine) records the commit passed in $COLOCATED_GRPO_GIT_SHA, in a
     study's env.json and a run's run.json alike; a checkout's own commit is kept beside one that differs."""
