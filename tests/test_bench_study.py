@@ -418,6 +418,23 @@ def test_a_case_row_is_the_mean_of_its_repeats_with_their_spread():
     assert study_report.case_row("m", "c", "ours", [])["status"] == "not run"
 
 
+def test_only_runs_the_steps_it_names_and_refuses_a_pattern_that_names_none():
+    from colocated_grpo.bench.study import running
+
+    spec = study.load(REPO / "sweeps" / "studies" / "parallelism_h200.yaml")
+    everything = running.plan(spec)
+    assert len(everything) == 15 and everything[0] == ("qwen2.5-7b-random", "case", "ddp", 1)
+    assert ("qwen2.5-1.5b-random", "case", "ddp_sleep", 1) not in everything, "a 7B case only"
+    left = running.plan(spec, ["qwen2.5-1.5b-random/fsdp", "*1.5b*/lora_zero3", "*1.5b*/ddp_trl_sync"])
+    assert [(m, case) for m, _, case, _ in left] == [
+        ("qwen2.5-1.5b-random", "fsdp"),
+        ("qwen2.5-1.5b-random", "lora_zero3"),
+        ("qwen2.5-1.5b-random", "ddp_trl_sync"),
+    ], "in the study's order"
+    with pytest.raises(SystemExit, match=r"--only \*/fdsp: no step of this study matches; its steps: "):
+        running.plan(spec, ["*/ddp", "*/fdsp"])
+
+
 def test_the_report_shows_what_each_run_that_did_not_finish_printed(tmp_path):
     spec = study.load(REPO / "sweeps" / "studies" / "parallelism_h200.yaml")
     failed = _repeat(1, None, "failed", note="TrainingMemoryError: out of GPU memory | while training")

@@ -7,7 +7,8 @@ baseline, the environment and the exact commands) and a figure. The definition i
     python -m colocated_grpo.bench.study run sweeps/studies/h200_x2.yaml --out sweeps/results/h200_x2
     python -m colocated_grpo.bench.study report sweeps/results/h200_x2
 
-`run` skips repeats whose job already finished, so running it again after an interruption continues the study.
+`run` skips repeats whose job already finished, so running it again after an interruption continues the study;
+`--only MODEL/CASE …` runs only the steps that match (shell patterns), e.g. the runs a study still lacks.
 
     OUT/study.yaml                    the definition as run
     OUT/env.json                      per `run`: date, host, GPUs, driver, package versions
@@ -28,12 +29,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     run_parser = sub.add_parser("run", help="run every case and bench of a study, then write the report")
     run_parser.add_argument("definition", help="a study YAML, e.g. sweeps/studies/h200_x2.yaml")
     run_parser.add_argument("--out", required=True, help="the study directory (created; finished repeats are kept)")
+    run_parser.add_argument(
+        "--only", nargs="+", metavar="MODEL/CASE", help="run only these steps (shell patterns, e.g. '*1.5b*/fsdp')"
+    )
     report_parser = sub.add_parser("report", help="write results.csv, results.md and study.png of a study directory")
     report_parser.add_argument("out", help="a study directory written by `run`")
     args = parser.parse_args(argv)
     if args.command == "run":
         require_extra("notebooks", FIGURES, "study run (its report draws study.png)")
-        running.run(args.definition, args.out)
+        running.run(args.definition, args.out, args.only)
     else:
         require_extra("notebooks", FIGURES, "study report (it draws study.png)")
     report.report(args.out)

@@ -6,6 +6,7 @@ kept, so running again continues the study (a failed repeat is run again)."""
 
 from __future__ import annotations
 
+import fnmatch
 import shlex
 import signal
 import sys
@@ -21,22 +22,16 @@ from colocated_grpo.provenance import checkout
 from colocated_grpo.run_files import write_json
 
 
-def run(study_file: str | Path, out: str | Path) -> None:
+def run(study_file: str | Path, out: str | Path, only: list[str] | None = None) -> None:
+    """Run the study's steps into `out`, those matching `only` (MODEL/CASE patterns) when given."""
     repo = checkout()  # refuses at once when there is no train.py to run
     study = definition.load(study_file)
+    steps = plan(study, only)
     out = Path(out).resolve()  # jobs write where this process means, whatever their cwd
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(study_file).read_text())
     env = [*definition.environments(out), definition.environment()]  # a continued study may change machine
     write_json(out / "env.json", env)
-    steps = [
-        step
-        for m in study["models"]
-        for step in (
-            *((m, "case", name, k) for k in range(1, study["repeats"] + 1) for name in definition.cases_of(study, m)),
-            *((m, "bench", name, None) for name in study["bench"]),
-        )
-    ]
     started = time.monotonic()
     try:
         with sigterm_as_interrupt():  # SIGTERM (kill, a scheduler) stops the study as Ctrl-C does
@@ -50,6 +45,26 @@ def run(study_file: str | Path, out: str | Path) -> None:
     finally:
         portable.rewrite(out, portable.machine_roots(out))  # the study's files can be kept with the code
     print(f"study done in {time.monotonic() - started:.0f} s; report: colocated-grpo study report {out}")
+
+
+def plan(study: dict, only: list[str] | None = None) -> list[tuple[str, str, str, int | None]]:
+    """The study's steps in the order they run: (model, "case", case, repeat) and (model, "bench", name, None).
+    `only`: shell patterns of MODEL/CASE (or MODEL/BENCH); a step matching none of them is left out, and a pattern
+    that matches no step is refused (a typo would otherwise run nothing, or everything)."""
+    steps = [
+        step
+        for m in study["models"]
+        for step in (
+            *((m, "case", name, k) for k in range(1, study["repeats"] + 1) for name in definition.cases_of(study, m)),
+            *((m, "bench", name, None) for name in study["bench"]),
+        )
+    ]
+    if not only:
+        return steps
+    if unmatched := [p for p in only if not any(fnmatch.fnmatchcase(f"{m}/{name}", p) for m, _, name, _ in steps)]:
+        names = sorted({f"{m}/{name}" for m, _, name, _ in steps})
+        raise SystemExit(f"--only {' '.join(unmatched)}: no step of this study matches; its steps: {', '.join(names)}")
+    return [s for s in steps if any(fnmatch.fnmatchcase(f"{s[0]}/{s[2]}", p) for p in only)]
 
 
 def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str, int | None]], repo: Path) -> None:
