@@ -551,7 +551,8 @@ def _oom_in(function_name: str) -> torch.OutOfMemoryError:
         return err
 
 
-def test_an_out_of_memory_in_training_suggests_only_what_the_run_does_not_already_use():
+def test_an_out_of_memory_in_training_suggests_only_what_the_run_does_not_already_use(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: one GPU
     plain = str(out_of_memory.explain(_oom_in("backward"), _cfg("placement=colocate"), 4))
     assert plain.startswith("out of GPU memory while training in step 4: it asked for 0.50 GiB more. It ran with")
     assert "placement=colocate, vLLM's share trainer.vllm_gpu_memory_utilization=0.3" in plain
@@ -564,6 +565,10 @@ def test_an_out_of_memory_in_training_suggests_only_what_the_run_does_not_alread
     assert "to leave more room for training: trainer.per_device_train_batch_size below" in already
     for remedy in ("placement=colocate_sleep (", "parallelism=zero3_offload (", "peft=lora ("):
         assert remedy not in already
+    one_gpu_fsdp = str(out_of_memory.explain(_oom_in("backward"), _cfg("parallelism=fsdp"), 1))
+    assert "to leave more room for training: parallelism=ddp (one rank shards nothing" in one_gpu_fsdp
+    assert one_gpu_fsdp.endswith("more GPUs (it shards the policy over them).")
+    assert "parallelism=ddp (" not in plain, "a ddp run is not told to use ddp"
     wrapped = RuntimeError("the step failed")
     wrapped.__cause__ = _oom_in("_move_model_to_vllm")
     sync = str(out_of_memory.explain(wrapped, _cfg("placement=colocate"), 2))

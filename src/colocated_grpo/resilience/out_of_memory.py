@@ -4,6 +4,7 @@ memory for that side, leaving out those already chosen. vLLM's start-up has its 
 
 from __future__ import annotations
 
+import os
 import re
 import traceback
 
@@ -86,6 +87,13 @@ def _remedies(cfg, engine_side: bool) -> list[str]:
             "more GPUs (trainer.vllm_tensor_parallel_size splits the engine)",
         ]
     found = []
+    sharded = cfg.parallelism.name in ("fsdp", "zero3", "zero3_offload")
+    one_rank = int(os.environ.get("WORLD_SIZE", 1)) == 1  # measured: 7B fits one H200 with ddp, not fsdp or zero3
+    if one_rank and cfg.parallelism.name in ("fsdp", "zero3"):
+        found.append(
+            "parallelism=ddp (one rank shards nothing, and ddp keeps no fp32 master copy of the bf16 weights: 8 "
+            "bytes per parameter with AdamW instead of 16)"
+        )
     if placement == "colocate":
         found.append("placement=colocate_sleep (vLLM hands its memory to training while it trains)")
     if cfg.parallelism.name != "zero3_offload":
@@ -101,5 +109,5 @@ def _remedies(cfg, engine_side: bool) -> list[str]:
             f"trainer.per_device_train_batch_size below {t.per_device_train_batch_size}, with "
             "gradient_accumulation_steps and steps_per_generation raised to keep the completions per step"
         )
-    found.append("more GPUs (parallelism=fsdp or zero3 shard the policy over them)")
+    found.append(f"more GPUs ({'it shards' if sharded else 'parallelism=fsdp or zero3 shard'} the policy over them)")
     return found
