@@ -13,7 +13,7 @@ run_start.register()  # ${run_start:…} in conf/train.yaml: one run directory f
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from colocated_grpo.launch.entry import main as run
+    from colocated_grpo.launch.lifecycle import main as run
 
     run(cfg)
 

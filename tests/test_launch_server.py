@@ -173,8 +173,8 @@ signal.signal(signal.SIGTERM, stop)
 print("step 1", flush=True)
 time.sleep(120)
 """
-# The orchestrator as train.py runs it (SIGTERM handled by process_end, the exit as entry takes it), with a local
-# HTTP server for vLLM's and the script above for torchrun.
+# The orchestrator as train.py runs it (SIGTERM handled by process_end, the exit as lifecycle.main takes it), with a
+# local HTTP server for vLLM's and the script above for torchrun.
 ORCHESTRATOR = """
 import sys
 from pathlib import Path

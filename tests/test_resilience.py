@@ -611,12 +611,12 @@ def test_a_step_saved_on_a_signal_is_logged_first_so_the_guard_checks_it(tmp_pat
     the callbacks as the runner installs them the step is logged before it is saved; without a save it is not."""
     from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-    from colocated_grpo.training import runner
+    from colocated_grpo.training import build
 
     handler = CallbackHandler([DefaultFlowCallback()], None, None, None, None)
     trainer = SimpleNamespace(add_callback=handler.add_callback, remove_callback=handler.remove_callback)
     stopper = preemption.StopOnSignal()
-    runner.add_callbacks(trainer, _cfg("telemetry=off", "trainer.logging_steps=2"), tmp_path, stopper)
+    build.add_callbacks(trainer, _cfg("telemetry=off", "trainer.logging_steps=2"), tmp_path, stopper)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], logging_steps=2, save_steps=10)
     state = TrainerState(global_step=3, max_steps=10, logging_steps=2, save_steps=10)
     control = handler.on_step_end(args, state, TrainerControl())

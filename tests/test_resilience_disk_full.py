@@ -101,7 +101,7 @@ import json, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
 import torch.distributed.checkpoint as dcp
-from colocated_grpo.training import runner
+from colocated_grpo.launch import lifecycle
 
 run_dir = Path(sys.argv[1])
 (run_dir / "run.json").write_text(json.dumps({"checkpoints_marked": True}))
@@ -119,7 +119,7 @@ for name, write in writers.items():
     try:
         write(cut)
     except BaseException as exc:
-        full = runner._explain_disk_full(exc, run_dir, main=True)
+        full = lifecycle._explain_disk_full(exc, run_dir, main=True)
         left = sorted(p.name for p in run_dir.glob("checkpoint-*"))
         print(json.dumps({"writer": name, "error": type(exc).__name__, "said": full and str(full), "left": left}))
 """

@@ -265,7 +265,7 @@ def reused_step():
 
 def test_a_step_that_reuses_a_generation_shows_no_rate_and_the_summary_keeps_the_final_reward(tmp_path):
     from colocated_grpo import run_files
-    from colocated_grpo.training.runner import end_of_run_summary
+    from colocated_grpo.launch.lifecycle import end_of_run_summary
 
     generated = step_metrics([RankReport(0, recorded_step(), [], 10, 30)])  # 4 tokens/s
     reused = step_metrics([RankReport(0, reused_step(), [], 0, 0)])

@@ -260,9 +260,9 @@ HELD_PORT = """
 import os, socket
 import torch, torch.distributed as dist
 from omegaconf import OmegaConf
-from colocated_grpo.training import runner
+from colocated_grpo.training import build
 
-set_ = runner.single_process_rendezvous(OmegaConf.create({"parallelism": {"name": "ddp"}}))
+set_ = build.single_process_rendezvous(OmegaConf.create({"parallelism": {"name": "ddp"}}))
 port = int(os.environ["MASTER_PORT"])
 try:
     socket.create_server(("127.0.0.1", port)).close()

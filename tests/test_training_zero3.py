@@ -110,17 +110,17 @@ def _tiny_model(cfg):
 def test_zero3_in_a_plain_python_process_gets_torchruns_rendezvous(monkeypatch):
     """`python train.py parallelism=zero3` is one process that no launcher set up: it gets the variables `torchrun
     --nproc_per_node=1` would set (DeepSpeed would look for MPI otherwise); a launcher's own are left alone."""
-    from colocated_grpo.training import runner
+    from colocated_grpo.training import build
 
-    for key in (*runner.RENDEZVOUS, runner.AGENT_STORE):
+    for key in (*build.RENDEZVOUS, build.AGENT_STORE):
         monkeypatch.setenv(key, "")  # so that the test's undo removes what the call sets
         monkeypatch.delenv(key)
     monkeypatch.setenv("MASTER_PORT", "12345")  # the user's own: kept, and no store of ours
-    assert runner.single_process_rendezvous(compose_train("parallelism=ddp")) == {}
-    set_ = runner.single_process_rendezvous(compose_train("parallelism=zero3"))
+    assert build.single_process_rendezvous(compose_train("parallelism=ddp")) == {}
+    set_ = build.single_process_rendezvous(compose_train("parallelism=zero3"))
     assert set_ == dict.fromkeys(("RANK", "LOCAL_RANK"), "0") | dict.fromkeys(("WORLD_SIZE", "LOCAL_WORLD_SIZE"), "1")
     monkeypatch.setenv("RANK", "1")  # started by a launcher
-    assert runner.single_process_rendezvous(compose_train("parallelism=zero3_offload")) == {}
+    assert build.single_process_rendezvous(compose_train("parallelism=zero3_offload")) == {}
 
 
 @needs_deepspeed

