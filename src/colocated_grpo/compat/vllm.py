@@ -115,10 +115,12 @@ def exception_chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
+def first_matching(exc: BaseException, patterns) -> BaseException | None:
+    """The first exception in `exc`'s chain whose `Type: message` one of `patterns` finds."""
+    return next((e for e in exception_chain(exc) if any(p.search(f"{type(e).__name__}: {e}") for p in patterns)), None)
+
+
 def memory_failure(exc: BaseException) -> str | None:
     """`Type: message` of the first exception in the chain that is a start-up memory failure."""
-    for e in exception_chain(exc):
-        text = f"{type(e).__name__}: {e}"
-        if any(p.search(text) for p in MEMORY_ERRORS):
-            return text
-    return None
+    found = first_matching(exc, MEMORY_ERRORS)
+    return None if found is None else f"{type(found).__name__}: {found}"

@@ -8,7 +8,7 @@ import os
 import re
 import traceback
 
-from colocated_grpo.compat.vllm import CUDA_OOM, exception_chain
+from colocated_grpo.compat.vllm import CUDA_OOM, first_matching
 
 SIZE = r"([\d.]+) (B|KiB|MiB|GiB|TiB)"
 TRIED = re.compile(rf"Tried to allocate {SIZE}")
@@ -25,7 +25,7 @@ class TrainingMemoryError(RuntimeError):
 def explain(exc: BaseException, cfg, step: int | None) -> TrainingMemoryError | None:
     """A TrainingMemoryError for a CUDA out-of-memory error anywhere in `exc`'s chain; None for any other error.
     `step` is the step it happened in (None before the first). The caller raises it `from exc`."""
-    oom = next((e for e in exception_chain(exc) if CUDA_OOM.search(f"{type(e).__name__}: {e}")), None)
+    oom = first_matching(exc, (CUDA_OOM,))
     if oom is None:
         return None
     where, engine_side = _where(oom)
