@@ -37,7 +37,8 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
         problems += err.problems
     if dataset is not None and not problems:
         problems += _too_few_prompts(cfg, len(dataset), args)
-    problems += offload_beyond_host_memory(cfg)
+    if not problems:  # it reads the model's files: a model that could not be resolved above is already listed
+        problems += offload_beyond_host_memory(cfg)
     if problems:
         raise config.ConfigError(problems)
     prompts = {**dataclasses.asdict(report), **({"derived": derived} if derived else {})} if report else None
