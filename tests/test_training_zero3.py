@@ -78,21 +78,27 @@ def _optimizer_states(checkpoint: Path) -> dict:
 
 
 def test_an_offloaded_optimizer_this_node_cannot_hold_is_refused_before_the_model_loads(monkeypatch):
-    """16 bytes per parameter (fp32 weights, gradients, Adam's moments) in CPU memory: the kernel's out-of-memory
-    killer ended a 7B run on a 125 GiB H200 host with SIGKILL. The tiny model's own count, read from its files."""
+    """At least 18 bytes per parameter in CPU memory (fp32 weights, gradients, Adam's moments, DeepSpeed's set-up
+    copies): the kernel ended a 7B run on a 125 GiB H200 host with SIGKILL. The tiny model's own count, read from its
+    files; and the 7B case as the H200 host saw it, which 16 bytes per parameter had let start."""
     from colocated_grpo.training import models, preflight
 
     cfg = compose_train("parallelism=zero3_offload")
     params = models.parameter_count(models.resolve(cfg.model))  # builds the tiny model into the test's cache
     assert params == sum(p.numel() for p in _tiny_model(cfg).parameters())
-    need = 16 * params
+    need = 18 * params
     assert preflight.offload_beyond_host_memory(cfg, available=need) == []
     [refusal] = preflight.offload_beyond_host_memory(cfg, available=need - 1)
     assert refusal.startswith(
-        f"parallelism=zero3_offload keeps 16 bytes per parameter in CPU memory (fp32 weights and gradients, Adam's "
-        f"two moments), sharded over the ranks: this node's 1 of 1 ranks need ~0 GiB for {params / 1e9:.2f}e9 "
-        "parameters, but 0 GiB are available"
+        "parallelism=zero3_offload needs at least 18 bytes per parameter of CPU memory (fp32 weights and gradients, "
+        "Adam's two moments, and DeepSpeed's set-up copies), sharded over the ranks: this node's 1 of 1 ranks need "
+        f"~0 GiB for {params / 1e9:.2f}e9 parameters, but 0 GiB are available"
     )
+    # Qwen2.5-7B's 7,615,616,512 parameters, with the 122.8 GiB the H200 host had available when the check ran there
+    monkeypatch.setattr(models, "parameter_count", lambda path: 7_615_616_512)
+    [refusal] = preflight.offload_beyond_host_memory(cfg, available=int(122.8 * 2**30))
+    assert "need ~128 GiB for 7.62e9 parameters, but 123 GiB are available" in refusal
+    monkeypatch.undo()
     monkeypatch.setenv("WORLD_SIZE", "4")  # two nodes of two ranks: this node holds half
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert preflight.offload_beyond_host_memory(cfg, available=need // 2) == []

@@ -98,8 +98,10 @@ def _too_few_prompts(cfg: DictConfig, rows: int, args) -> list[str]:
     ]
 
 
-# What ZeRO-Offload keeps in CPU memory per parameter: fp32 weights, fp32 gradients and Adam's two fp32 moments.
-OFFLOADED_BYTES_PER_PARAMETER = 16
+# CPU memory per parameter that ZeRO-Offload needs, at least: it keeps 16 bytes (fp32 weights, fp32 gradients, Adam's
+# two fp32 moments) and its set-up copies beside them. Measured floor: a 7.6e9-parameter run was killed (SIGKILL) on
+# an H200 host with at most 125 GiB available, > 17.6 bytes per parameter; at 16 this check had let that run start.
+OFFLOADED_BYTES_PER_PARAMETER = 18
 
 
 def offload_beyond_host_memory(cfg: DictConfig, available: int | None = None) -> list[str]:
@@ -119,9 +121,9 @@ def offload_beyond_host_memory(cfg: DictConfig, available: int | None = None) ->
     if need <= available:
         return []
     return [
-        f"parallelism={cfg.parallelism.name} keeps {OFFLOADED_BYTES_PER_PARAMETER} bytes per parameter in CPU "
-        "memory (fp32 weights and gradients, Adam's two moments), sharded over the ranks: this node's "
-        f"{local} of {world} ranks need ~{need / 2**30:.0f} GiB for {params / 1e9:.2f}e9 parameters, but "
+        f"parallelism={cfg.parallelism.name} needs at least {OFFLOADED_BYTES_PER_PARAMETER} bytes per parameter of "
+        "CPU memory (fp32 weights and gradients, Adam's two moments, and DeepSpeed's set-up copies), sharded over the "
+        f"ranks: this node's {local} of {world} ranks need ~{need / 2**30:.0f} GiB for {params / 1e9:.2f}e9 parameters, but "
         f"{available / 2**30:.0f} GiB are available, and the kernel would kill the run (SIGKILL) while DeepSpeed "
         "sets up. Spread it over more nodes, use peft=lora, or keep the optimizer on the GPU (parallelism=zero3, "
         "or parallelism=ddp with placement=colocate_sleep) where the GPU holds it"
