@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 from colocated_grpo.launch import config_groups, run_start
-from colocated_grpo.resilience import process_end
+from colocated_grpo.resilience import signals
 
 run_start.register()  # ${run_start:…} in conf/train.yaml: one run directory for all ranks
 
@@ -21,4 +21,4 @@ def main(cfg: DictConfig) -> None:
 # vLLM spawns worker processes that re-import this module: the guard keeps them from re-running training.
 if __name__ == "__main__":
     config_groups.refuse_renamed_groups(sys.argv[1:])  # a group's old name: one line naming the new, before Hydra
-    process_end.run_main(main)  # SIGTERM in start-up exits 143 saying so, as Ctrl-C exits 130
+    signals.run_main(main)  # SIGTERM in start-up exits 143 saying so, as Ctrl-C exits 130

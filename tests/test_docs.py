@@ -5,6 +5,7 @@ exists; every relative link (and its #anchor) resolves. A failure names the file
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 import shlex
 from functools import cache
@@ -248,8 +249,9 @@ def test_citation_and_license():
     assert "Apache License" in (REPO / "LICENSE").read_text()[:200]
 
 
-def test_every_test_the_signal_table_names_exists():
-    """docs/resilience.md's table of what a signal does names, per row, the tests that show it."""
+def test_every_test_and_handler_the_signal_table_names_exists():
+    """docs/resilience.md's table of what a signal does names, per row, its handler in resilience/signals.py and the
+    tests that show it; every handler that module installs has its row."""
     page = (REPO / "docs" / "resilience.md").read_text()
     table = page.split("### What a signal does, by process and phase", 1)[1].split("\n## ", 1)[0]
     rows = [
@@ -261,3 +263,8 @@ def test_every_test_the_signal_table_names_exists():
         m for path in (REPO / "tests").glob("test_*.py") for m in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
     }
     assert not [name for name in named if name not in defined]
+    from colocated_grpo.resilience import signals
+
+    handlers = {row.split(" | ")[2].strip("`") for row in rows}
+    installers = {n for n, f in vars(signals).items() if inspect.isfunction(f) and f.__module__ == signals.__name__}
+    assert handlers == {n for n in installers if not n.startswith("_")}

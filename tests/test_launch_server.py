@@ -173,14 +173,14 @@ signal.signal(signal.SIGTERM, stop)
 print("step 1", flush=True)
 time.sleep(120)
 """
-# The orchestrator as train.py runs it (SIGTERM handled by process_end, the exit as lifecycle.main takes it), with a
-# local HTTP server for vLLM's and the script above for torchrun.
+# The orchestrator as train.py runs it (SIGTERM handled by signals.run_main, the exit as lifecycle.main takes it),
+# with a local HTTP server for vLLM's and the script above for torchrun.
 ORCHESTRATOR = """
 import sys
 from pathlib import Path
 from omegaconf import OmegaConf
 from colocated_grpo.launch import processes, server_placement as server
-from colocated_grpo.resilience import process_end
+from colocated_grpo.resilience import process_end, signals
 from colocated_grpo.resilience.preemption import TrainingInterrupted
 run_dir, trainer, served = map(Path, sys.argv[1:4])
 server.server_command = lambda cfg, model, plan: [
@@ -193,7 +193,7 @@ def main():
         server.launch(cfg, plan, run_dir, ["trainer.max_steps=30"], "model")
     except TrainingInterrupted as stopped:
         process_end.exit_now(stopped.code)
-process_end.run_main(main)
+signals.run_main(main)
 """
 
 

@@ -5,6 +5,7 @@ in pyproject.toml)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,11 @@ def test_the_tree_is_lint_clean_and_formatted():
     for command in (["check", "--output-format", "concise", "."], ["format", "--check", "."]):
         proc = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, f"ruff {' '.join(command)}:\n{proc.stdout}{proc.stderr}"
+
+
+def test_one_module_installs_every_signal_handler():
+    """resilience/signals.py owns every signal handler (docs/resilience.md's table names each): no other module of
+    the package, nor train.py, calls signal.signal."""
+    files = [*(ROOT / "src").rglob("*.py"), ROOT / "train.py", *(ROOT / "hydra_plugins").rglob("*.py")]
+    installing = sorted(str(p.relative_to(ROOT)) for p in files if re.search(r"\bsignal\.signal\(", p.read_text()))
+    assert installing == ["src/colocated_grpo/resilience/signals.py"]

@@ -818,9 +818,9 @@ def test_run_files_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 
 def test_a_late_repeated_sigterm_stops_at_once_saying_so_not_as_a_stop_in_start_up(monkeypatch):
     """Start-up's handler is not what a repeat meets: the stop names the step it cut and its exit status is 143."""
-    from colocated_grpo.resilience import process_end
+    from colocated_grpo.resilience import signals
 
-    previous = signal.signal(signal.SIGTERM, process_end._stop_in_start_up)
+    previous = signal.signal(signal.SIGTERM, signals._stop_in_start_up)
     args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
     stopper = preemption.StopOnSignal()
     try:
@@ -828,7 +828,7 @@ def test_a_late_repeated_sigterm_stops_at_once_saying_so_not_as_a_stop_in_start_
             stopper.on_step_end(args, TrainerState(global_step=4), TrainerControl())
             signal.raise_signal(signal.SIGTERM)
             monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.0)
-            with pytest.raises(process_end.StoppedAtOnce) as stopped:
+            with pytest.raises(signals.StoppedAtOnce) as stopped:
                 signal.raise_signal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -838,9 +838,9 @@ def test_a_late_repeated_sigterm_stops_at_once_saying_so_not_as_a_stop_in_start_
 
 ENDING = """
 import os, signal, sys, time
-from colocated_grpo.resilience import process_end
-process_end.ENDING_GRACE_S = {grace}
-process_end.begin()
+from colocated_grpo.resilience import signals
+signals.ENDING_GRACE_S = {grace}
+signals.ending()
 os.kill(os.getpid(), signal.SIGTERM)  # torchrun's, say, while the run writes its record
 print("ending", flush=True)
 time.sleep({ending_s})  # wandb.finish or destroy_process_group: quick, or hung

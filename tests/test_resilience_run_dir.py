@@ -191,7 +191,7 @@ def test_a_failing_two_rank_run_prints_its_error_once_without_the_libraries_nois
 AGENT = """
 import os, subprocess, sys
 worker = (
-    "import os, sys, time; from colocated_grpo.resilience.process_end import stop_with_torchrun_agent; "
+    "import os, sys, time; from colocated_grpo.resilience.signals import stop_with_torchrun_agent; "
     "stop_with_torchrun_agent(); print(os.getpid(), flush=True); time.sleep(60)"
 )
 env = {**os.environ, "TORCHELASTIC_RUN_ID": "test"}

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, open_dict
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat.hydra import output_dir, task_overrides
 from colocated_grpo.launch import run_start
-from colocated_grpo.resilience import attempts, checkpoints, process_end
+from colocated_grpo.resilience import attempts, checkpoints, process_end, signals
 from colocated_grpo.training import config
 
 KIND = "plain_trl"
@@ -44,7 +44,7 @@ run_start.register()  # ${run_start:…} in conf/train.yaml, as train.py does
 
 @hydra.main(config_path=str(provenance.REPO / "conf"), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    process_end.stop_with_torchrun_agent()
+    signals.stop_with_torchrun_agent()
     run_dir = Path(output_dir()).resolve()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -64,11 +64,11 @@ def main(cfg: DictConfig) -> None:
     record.start(None)
     try:
         train(cfg, run_dir, world, rank0)
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (process_end.run_main)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.run_main)
         record.end("interrupted")
         process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
-        process_end.begin()
+        signals.ending()
         record.end("failed", exc)
         process_end.report_failure(exc, explained=isinstance(exc, config.ConfigError))
         process_end.exit_now(1)
@@ -125,4 +125,4 @@ def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
 
 # vLLM spawns worker processes that re-import this module: the guard keeps them from re-running training.
 if __name__ == "__main__":
-    process_end.run_main(main)  # SIGTERM in start-up exits 143 saying so, as train.py's
+    signals.run_main(main)  # SIGTERM in start-up exits 143 saying so, as train.py's

@@ -29,6 +29,7 @@ from colocated_grpo.resilience import (
     process_end,
     redaction,
     run_dir_guard,
+    signals,
 )
 from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.disk_full import DiskFull
@@ -74,7 +75,7 @@ def main(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")  # W&B's Weave advertisement
     # transformers' FutureWarnings about the `gradient_checkpointing` names that TRL still reads
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
-    process_end.stop_with_torchrun_agent()
+    signals.stop_with_torchrun_agent()
     run_dir = Path(output_dir()).resolve()
     try:
         if launcher := in_process_multirun_launcher():
@@ -100,7 +101,7 @@ def main(cfg: DictConfig) -> None:
             print(str(stop) or "KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
         process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
-        process_end.begin()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
+        signals.ending()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
         process_end.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
         process_end.exit_now(1)
 
@@ -221,7 +222,7 @@ def _recorded(
                 "use more rows (data.num_samples for the synthetic data) or a smaller batch"
             )
         status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (resilience/process_end.py)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (signals.run_main)
         status, exit_code = "interrupted", getattr(stop, "code", 130)
         raise
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
@@ -230,7 +231,7 @@ def _recorded(
             raise error from exc
         raise
     finally:
-        process_end.begin()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
+        signals.ending()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
         # Each part of the ending runs whatever another raised. A failure there is logged; it fails a run that
         # had finished (run.json and the exit say so), while an error that ended training stays the one reported.
         ending_failed: list[Exception] = []

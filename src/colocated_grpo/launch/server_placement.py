@@ -173,7 +173,7 @@ def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, 
     trainer = processes.start(command, log_path, env)
     try:
         return trainer.wait()
-    except KeyboardInterrupt as stop:  # process_end turns SIGTERM into one (StoppedAtOnce); Ctrl-C is one
+    except KeyboardInterrupt as stop:  # signals.run_main turns SIGTERM into one (StoppedAtOnce); Ctrl-C is one
         signum = getattr(stop, "code", 128 + signal.SIGINT) - 128
         name = signal.Signals(signum).name
         log.warning("%s: passed to the trainer, which has %.0f s (placement.stop_grace_s) to save", name, grace_s)

@@ -5,7 +5,6 @@ runs: job k/N, step, time elapsed and left; at the end SWEEP_DIR/summary.csv and
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -30,6 +29,7 @@ from colocated_grpo.launch.sweep_plan import (
     quote,
     wandb_group,
 )
+from colocated_grpo.resilience.signals import sigterm_as_interrupt
 from colocated_grpo.run_files import now
 
 log = logging.getLogger(__name__)
@@ -131,20 +131,6 @@ def error_line(log_path: Path) -> str | None:
                 "(`dmesg` names it; parallelism=zero3_offload keeps the optimizer state and fp32 weights there)"
             )
     return found
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM (kill, a scheduler) stops the sweep like Ctrl-C does: the running job is stopped, not orphaned."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def launch_local(hydra_context, config: DictConfig, task_function, job_overrides, initial_job_idx: int, opts: Options):

@@ -17,10 +17,10 @@ from colocated_grpo.launch.sweep_local import (
     cancel_pending,
     execute,
     finish,
-    sigterm_as_interrupt,
     torchrun_command,
 )
 from colocated_grpo.launch.sweep_plan import Job, Options, default_script, plan
+from colocated_grpo.resilience.signals import sigterm_as_interrupt
 from colocated_grpo.run_files import read_json, write_json
 
 

@@ -13,11 +13,11 @@ from contextlib import contextmanager
 
 from transformers import TrainerCallback
 
-from colocated_grpo.resilience.process_end import StoppedAtOnce
+from colocated_grpo.resilience import signals
+from colocated_grpo.resilience.signals import StoppedAtOnce
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 5.0
 
 
@@ -38,22 +38,13 @@ class StopOnSignal(TrainerCallback):
         self.stopped_at: int | None = None  # the step after which training stopped for it
         self._first_at = 0.0
         self._steps_done = 0
-        self._previous: dict[int, object] = {}
+        self._restore = lambda: None
 
     @contextmanager
     def installed(self):
         """Handle SIGTERM/SIGINT while the block runs (main thread only); the previous handlers come back after."""
-        for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        try:
+        with signals.during_training(self._handle) as self._restore:
             yield self
-        finally:
-            self._restore()
-
-    def _restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name

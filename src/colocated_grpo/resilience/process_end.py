@@ -1,6 +1,5 @@
-"""How a process ends: on a signal (SIGTERM in start-up: `run_main`; in training: preemption.py; in the ending:
-`begin`), on a failure (`report_failure`), or done (`exit_now`). Standard library only: train.py installs the
-start-up handler before anything heavy is imported."""
+"""How a process ends: on a failure (`report_failure`, printed once per launch) or at once (`exit_now`); on a signal
+through signals.py. Standard library only, as signals.py, which train.py imports before anything heavy."""
 
 from __future__ import annotations
 
@@ -8,94 +7,24 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 from colocated_grpo import run_files
 
 log = logging.getLogger(__name__)
 
-ENDING_GRACE_S = 10.0  # how long a run's ending may take before a SIGTERM received in it is honoured
 OTHER_RANKS_WAIT_S = 2.0  # a failing rank other than 0 lets a failing rank 0 report first
 CLAIMS_DIR = Path(tempfile.gettempdir())  # where the ranks of one launch claim its failure report
 CLAIM_PREFIX = "colocated-grpo-failure-"
-_ending_since: float | None = None
-
-
-class StoppedAtOnce(KeyboardInterrupt):
-    """A signal stopped the process where it was, without a checkpoint; `code` is the exit status, str() says so."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.code = 128 + signum
-
-
-def run_main(main: Callable[[], None]) -> None:
-    """Call `main` with SIGTERM unwinding as StoppedAtOnce until the runner installs its own handler; a stop before
-    the runner can report it (Hydra still composing or writing its record) ends here, in one line."""
-    signal.signal(signal.SIGTERM, _stop_in_start_up)
-    try:
-        main()
-    except StoppedAtOnce as stop:
-        print(stop, file=sys.stderr, flush=True)
-        exit_now(stop.code)
-
-
-def _stop_in_start_up(signum, frame) -> None:
-    raise StoppedAtOnce(signum, "SIGTERM during start-up: stopped before the first step, nothing trained")
-
-
-def begin() -> None:
-    """The run is ending (run files, W&B, process group, failure report): a SIGTERM no longer cuts it short, but
-    stops an ending that hangs ENDING_GRACE_S after it began, exit 143. Ctrl-C still stops at once."""
-    global _ending_since
-    if _ending_since is None:
-        _ending_since = time.monotonic()
-    signal.signal(signal.SIGTERM, _during_ending)
-
-
-def _during_ending(signum, frame) -> None:
-    left = ENDING_GRACE_S - (time.monotonic() - _ending_since)
-    if left <= 0:
-        _stop_ending()
-    else:  # the process normally ends first, and the timer with it
-        timer = threading.Timer(left, _stop_ending)
-        timer.daemon = True
-        timer.start()
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one timer is enough
-
-
-def _stop_ending() -> None:
-    print(
-        f"SIGTERM: the run's ending (run files, W&B, process group) took over {ENDING_GRACE_S:.0f} s; stopped",
-        file=sys.stderr,
-        flush=True,
-    )
-    exit_now(128 + signal.SIGTERM)
 
 
 def torchrun_worker() -> bool:
     """Started by torchrun (its agent sets TORCHELASTIC_RUN_ID; a LOCAL_RANK alone may be left over)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def stop_with_torchrun_agent() -> None:
-    """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL, and stop as a
-    preempted run does, rather than train on orphaned in a session of its own. Linux only."""
-    import ctypes
-
-    if not torchrun_worker() or not sys.platform.startswith("linux"):
-        return
-    agent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != agent:  # the agent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def report_failure(exc: BaseException, explained: bool, show_cause: bool = False) -> None:

@@ -123,8 +123,8 @@ def offload_beyond_host_memory(cfg: DictConfig, available: int | None = None) ->
     return [
         f"parallelism={cfg.parallelism.name} needs at least {OFFLOADED_BYTES_PER_PARAMETER} bytes per parameter of "
         "CPU memory (fp32 weights and gradients, Adam's two moments, and DeepSpeed's set-up copies), sharded over the "
-        f"ranks: this node's {local} of {world} ranks need ~{need / 2**30:.0f} GiB for {params / 1e9:.2f}e9 parameters, but "
-        f"{available / 2**30:.0f} GiB are available, and the kernel would kill the run (SIGKILL) while DeepSpeed "
-        "sets up. Spread it over more nodes, use peft=lora, or keep the optimizer on the GPU (parallelism=zero3, "
-        "or parallelism=ddp with placement=colocate_sleep) where the GPU holds it"
+        f"ranks: this node's {local} of {world} ranks need ~{need / 2**30:.0f} GiB for {params / 1e9:.2f}e9 "
+        f"parameters, but {available / 2**30:.0f} GiB are available, and the kernel would kill the run (SIGKILL) "
+        "while DeepSpeed sets up. Spread it over more nodes, use peft=lora, or keep the optimizer on the GPU "
+        "(parallelism=zero3, or parallelism=ddp with placement=colocate_sleep) where the GPU holds it"
     ]

@@ -17,8 +17,8 @@ from colocated_grpo.bench.study import definition, portable
 from colocated_grpo.bench.study.definition import bench_command, case_command, case_status, describe, repeat_dir
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.progress import Progress, run_step
-from colocated_grpo.launch.sweep_local import sigterm_as_interrupt
 from colocated_grpo.provenance import checkout
+from colocated_grpo.resilience.signals import sigterm_as_interrupt
 from colocated_grpo.run_files import write_json
 
 

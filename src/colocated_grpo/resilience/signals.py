@@ -1,0 +1,126 @@
+"""Every signal handler of the package, one per process role and phase; no other module installs one (a test checks
+it). What each does is the table "What a signal does, by process and phase" in docs/resilience.md, whose rows name
+these functions. Standard library only: train.py installs the start-up handler before anything heavy is imported.
+
+- a trainer (`python train.py`, a torchrun worker, the server placement's orchestrator, the plain-TRL bench):
+  - start-up and loading, `run_main`: SIGTERM unwinds as StoppedAtOnce (exit 143, one line); Ctrl-C is Python's own
+    KeyboardInterrupt;
+  - training, `during_training`: SIGTERM and SIGINT go to the preemption callback (preemption.py), which stops every
+    rank at the end of the step with a checkpoint;
+  - the ending, `ending`: SIGTERM lets the ending go on, and stops one that hangs ENDING_GRACE_S after it began;
+  - under torchrun, `stop_with_torchrun_agent`: SIGTERM when the torchrun agent dies, even by SIGKILL.
+- an orchestrator of jobs (a sweep, a study), `sigterm_as_interrupt`: SIGTERM stops it as Ctrl-C does, so that the
+  running job is stopped and recorded, not orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from colocated_grpo.resilience.process_end import exit_now, torchrun_worker
+
+ENDING_GRACE_S = 10.0  # how long a run's ending may take before a SIGTERM received in it is honoured
+_ending_since: float | None = None
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A signal stopped the process where it was, without a checkpoint; `code` is the exit status, str() says so."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Call `main` with SIGTERM unwinding as StoppedAtOnce until training installs its own handler; a stop before
+    the run can report it (Hydra still composing or writing its record) ends here, in one line."""
+    signal.signal(signal.SIGTERM, _stop_in_start_up)
+    try:
+        main()
+    except StoppedAtOnce as stop:
+        print(stop, file=sys.stderr, flush=True)
+        exit_now(stop.code)
+
+
+def _stop_in_start_up(signum, frame) -> None:
+    raise StoppedAtOnce(signum, "SIGTERM during start-up: stopped before the first step, nothing trained")
+
+
+@contextlib.contextmanager
+def during_training(handler: Callable[[int, object], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT go to `handler` while the block runs (main thread only); the previous handlers come back
+    after it, or when `handler` calls the `restore` this yields."""
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        while previous:
+            sig, old = previous.popitem()
+            signal.signal(sig, old)
+
+    try:
+        yield restore
+    finally:
+        restore()
+
+
+def ending() -> None:
+    """The run is ending (run files, W&B, process group, failure report): a SIGTERM no longer cuts it short, but
+    stops an ending that hangs ENDING_GRACE_S after it began, exit 143. Ctrl-C still stops at once."""
+    global _ending_since
+    if _ending_since is None:
+        _ending_since = time.monotonic()
+    signal.signal(signal.SIGTERM, _during_ending)
+
+
+def _during_ending(signum, frame) -> None:
+    left = ENDING_GRACE_S - (time.monotonic() - _ending_since)
+    if left <= 0:
+        _stop_ending()
+    else:  # the process normally ends first, and the timer with it
+        timer = threading.Timer(left, _stop_ending)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one timer is enough
+
+
+def _stop_ending() -> None:
+    print(
+        f"SIGTERM: the run's ending (run files, W&B, process group) took over {ENDING_GRACE_S:.0f} s; stopped",
+        file=sys.stderr,
+        flush=True,
+    )
+    exit_now(128 + signal.SIGTERM)
+
+
+def stop_with_torchrun_agent() -> None:
+    """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL, and stop as a
+    preempted run does, rather than train on orphaned in a session of its own. Linux only."""
+    import ctypes
+    import os
+
+    if not torchrun_worker() or not sys.platform.startswith("linux"):
+        return
+    agent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != agent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (kill, a scheduler) stops an orchestrator of jobs as Ctrl-C does: the running job is stopped, not
+    orphaned."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
