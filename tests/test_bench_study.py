@@ -9,9 +9,11 @@ import ast
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from statistics import fmean
 
 import pandas as pd
@@ -22,6 +24,7 @@ from conftest import compose_train, run_bounded, start_own_session, wait_for_fil
 from colocated_grpo.bench.study import definition as study
 from colocated_grpo.bench.study import portable
 from colocated_grpo.bench.study import report as study_report
+from colocated_grpo.bench.study.__main__ import main as study_main
 from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl, write_json
 
@@ -174,11 +177,16 @@ def test_a_study_directory_names_no_path_of_the_machine_it_ran_on(tiny_study, ru
     assert study.case_status(out / "runs" / "tiny" / "colocate") == "finished", "the study reads its files as before"
 
 
-def test_running_again_keeps_finished_repeats_and_runs_a_failed_one_again(tiny_study, run_env, tmp_path):
+def test_running_again_keeps_finished_repeats_and_runs_a_failed_one_again(tiny_study, run_env, tmp_path, capsys):
     definition, out, _ = tiny_study
     before = pd.read_csv(out / "results.csv").set_index("case")
     job = out / "runs" / "tiny" / "plain" / "rep2" / "job.json"
     write_json(job, {**read_json(job), "status": "failed"})  # as if it had failed
+    study_main(["plan", str(definition), "--out", str(out)])  # what a second `run` will do, first shown
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[:3] == [f"[{i}/5] tiny {what}: finished earlier, kept" for i, what in enumerate(ORDER[:3], 1)]
+    assert shown[3].startswith("[4/5] tiny plain rep2: ") and "plain_trl.py" in shown[3]
+    assert shown[4:] == ["[5/5] tiny trl_engine: measured earlier, kept", "1 of 5 steps to run"]
     proc = _run_study(definition, out, run_env, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for kept in ("[1/5] tiny colocate rep1", "[2/5] tiny plain rep1", "[3/5] tiny colocate rep2"):
@@ -190,6 +198,29 @@ def test_running_again_keeps_finished_repeats_and_runs_a_failed_one_again(tiny_s
     assert read_json(job)["status"] == "finished" and (after["repeats"] == 2).all()
     assert after.loc["colocate", "step_s"] == before.loc["colocate", "step_s"], "kept repeats are not run again"
     assert after.loc["plain", "step_s_repeats"].split(", ")[0] == before.loc["plain", "step_s_repeats"].split(", ")[0]
+
+
+def test_plan_shows_each_step_and_its_command_in_the_order_run_takes_them(tmp_path, capsys):
+    """`plan` prints the steps of `run` without running any: the cases interleaved, then the bench, each with the
+    command `run` would start; `--only` narrows them as it narrows `run`."""
+    definition = tmp_path / "tiny.yaml"
+    definition.write_text(yaml.safe_dump(TINY_STUDY, sort_keys=False))
+    study_main(["plan", str(definition)])
+    shown = capsys.readouterr().out.splitlines()
+    assert [re.match(r"\[\d/5\] tiny ([\w ]+): ", line)[1] for line in shown[:5]] == ORDER
+    loaded = study.load(definition)
+    assert shown[0].endswith(
+        shlex.join(study.case_command(loaded, "tiny", "colocate", Path("OUT/runs/tiny/colocate"), REPO, 1))
+    )
+    assert "--json OUT/bench/tiny/trl_engine.json" in shown[4] and shown[5] == "5 of 5 steps to run"
+    assert not (tmp_path / "OUT").exists() and not (REPO / "OUT").exists(), "nothing ran"
+    study_main(["plan", str(definition), "--only", "tiny/plain"])
+    shown = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in shown] == [
+        "[1/2] tiny plain rep1",
+        "[2/2] tiny plain rep2",
+        "2 of 2 steps to run",
+    ]
 
 
 def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, tmp_path):

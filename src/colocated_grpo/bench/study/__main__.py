@@ -8,7 +8,10 @@ baseline, the environment and the exact commands) and a figure. The definition i
     python -m colocated_grpo.bench.study report sweeps/results/h200_x2
 
 `run` skips repeats whose job already finished, so running it again after an interruption continues the study;
-`--only MODEL/CASE …` runs only the steps that match (shell patterns), e.g. the runs a study still lacks.
+`--only MODEL/CASE …` runs only the steps that match (shell patterns), e.g. the runs a study still lacks. `plan`
+prints the steps `run` would take and their commands, without running any (with `--out`, those finished are kept).
+
+    python -m colocated_grpo.bench.study plan sweeps/studies/h200_x2.yaml --out sweeps/results/h200_x2
 
     OUT/study.yaml                    the definition as run
     OUT/env.json                      per `run`: date, host, GPUs, driver, package versions
@@ -32,9 +35,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     run_parser.add_argument(
         "--only", nargs="+", metavar="MODEL/CASE", help="run only these steps (shell patterns, e.g. '*1.5b*/fsdp')"
     )
+    plan_parser = sub.add_parser("plan", help="print the steps `run` would take and their commands; runs nothing")
+    plan_parser.add_argument("definition", help="a study YAML")
+    plan_parser.add_argument("--out", help="a study directory: its finished steps are shown as kept")
+    plan_parser.add_argument("--only", nargs="+", metavar="MODEL/CASE", help="only these steps (shell patterns)")
     report_parser = sub.add_parser("report", help="write results.csv, results.md and study.png of a study directory")
     report_parser.add_argument("out", help="a study directory written by `run`")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        running.show(args.definition, args.out, args.only)
+        return
     if args.command == "run":
         require_extra("notebooks", FIGURES, "study run (its report draws study.png)")
         running.run(args.definition, args.out, args.only)

@@ -67,30 +67,59 @@ def plan(study: dict, only: list[str] | None = None) -> list[tuple[str, str, str
     return [s for s in steps if any(fnmatch.fnmatchcase(f"{s[0]}/{s[2]}", p) for p in only)]
 
 
+def show(study_file: str | Path, out: str | Path | None = None, only: list[str] | None = None) -> None:
+    """Print the steps `run` would take, in order, each with its command; with `out`, a step that finished there
+    earlier is shown as kept. Nothing runs."""
+    repo = checkout()
+    study = definition.load(study_file)
+    steps = plan(study, only)
+    root = Path(out).resolve() if out is not None else Path("OUT")
+    left = 0
+    for i, step in enumerate(steps, 1):
+        what, done, command, _, job_dir = _step(study, root, step, repo)
+        done = done and out is not None
+        left += not done
+        print(f"[{i}/{len(steps)}] {what}: {_kept(job_dir) if done else shlex.join(command)}")
+    print(f"{left} of {len(steps)} steps to run")
+
+
+def _step(study: dict, out: Path, step: tuple[str, str, str, int | None], repo: Path):
+    """What a step is called, whether it finished in `out` earlier, its command, its log, and its job directory
+    (None for a bench)."""
+    model, kind, name, repeat = step
+    if kind == "case":
+        case_dir = out / "runs" / model / name
+        job_dir = repeat_dir(case_dir, repeat)
+        command = case_command(study, model, name, case_dir, repo, repeat)
+        return (
+            f"{model} {name} rep{repeat}",
+            case_status(job_dir) == "finished",
+            command,
+            case_dir / f"sweep_rep{repeat}.log",
+            job_dir,
+        )
+    path = out / "bench" / model / f"{name}.json"
+    command = bench_command(model, study["bench"][name], path)
+    return f"{model} {name}", path.exists(), command, path.with_suffix(".log"), None
+
+
+def _kept(job_dir: Path | None) -> str:
+    return f"{'finished' if job_dir else 'measured'} earlier, kept"
+
+
 def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str, int | None]], repo: Path) -> None:
     with Progress("study", len(steps)) as shown:
-        for i, (model, kind, name, repeat) in enumerate(steps, 1):
-            if kind == "case":
-                case_dir = out / "runs" / model / name
-                job_dir, what = repeat_dir(case_dir, repeat), f"{model} {name} rep{repeat}"
-                label = f"[{i}/{len(steps)}] {what}"
-                if case_status(job_dir) == "finished":
-                    print(f"{label}: finished earlier, kept", flush=True)
-                    shown.skip(label)
-                    continue
-                command = case_command(study, model, name, case_dir, repo, repeat)
-                with shown.job(what, lambda d=job_dir: run_step(d)):
-                    _run_logged(command, case_dir / f"sweep_rep{repeat}.log", label)
+        for i, step in enumerate(steps, 1):
+            what, done, command, log, job_dir = _step(study, out, step, repo)
+            label = f"[{i}/{len(steps)}] {what}"
+            if done:
+                print(f"{label}: {_kept(job_dir)}", flush=True)
+                shown.skip(label)
+                continue
+            with shown.job(what, lambda d=job_dir: run_step(d)) if job_dir else shown.job(what):
+                _run_logged(command, log, label)
+            if job_dir:
                 print(f"    {describe(job_dir)}", flush=True)
-            else:
-                label = f"[{i}/{len(steps)}] {model} {name}"
-                path = out / "bench" / model / f"{name}.json"
-                if path.exists():
-                    print(f"{label}: measured earlier, kept", flush=True)
-                    shown.skip(label)
-                    continue
-                with shown.job(f"{model} {name}"):
-                    _run_logged(bench_command(model, study["bench"][name], path), path.with_suffix(".log"), label)
 
 
 def _run_logged(command: list[str], log: Path, label: str) -> None:
