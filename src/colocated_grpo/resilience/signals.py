@@ -51,11 +51,15 @@ def _stop_in_start_up(signum, frame) -> None:
     raise StoppedAtOnce(signum, "SIGTERM during start-up: stopped before the first step, nothing trained")
 
 
-@contextlib.contextmanager
-def during_training(handler: Callable[[int, object], None]) -> Iterator[None]:
+def during_training(handler: Callable[[int, object], None]):
     """SIGTERM and SIGINT go to `handler` while the block runs (main thread only); the previous handlers come back
     after it, or when `handler` calls the `restore` this yields."""
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return _handled(handler, (signal.SIGTERM, signal.SIGINT))
+
+
+@contextlib.contextmanager
+def _handled(handler: Callable[[int, object], None], signums: tuple[int, ...]) -> Iterator[Callable[[], None]]:
+    previous = {sig: signal.signal(sig, handler) for sig in signums}
 
     def restore() -> None:
         while previous:
@@ -111,16 +115,11 @@ def stop_with_torchrun_agent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt():
     """SIGTERM (kill, a scheduler) stops an orchestrator of jobs as Ctrl-C does: the running job is stopped, not
     orphaned."""
+    return _handled(_interrupt, (signal.SIGTERM,))
 
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
