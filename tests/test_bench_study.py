@@ -557,7 +557,7 @@ COMPLETIONS_PER_STEP = {
     "h200_x2": lambda case: 64,
     "fast_outputs_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "fast_sync_h200": lambda case: 128,
-    "calibration_h200": lambda case: int(re.search(r"_(\d+)", case).group(1)),
+    "calibration_h200": lambda case: int(re.search(r"_b(\d+)", case).group(1)),
     "plain_trl_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "plain_trl_h200_0.5b": lambda case: int(case.rsplit("_", 1)[1]),
     "learning_h200": lambda case: 64,
