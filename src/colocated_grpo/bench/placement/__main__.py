@@ -27,6 +27,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="build a calibration file from one-GPU study directories")
     cal.add_argument("directories", nargs="+", help="study (or sweep) directories; multi-GPU jobs are left out")
+    cal.add_argument(
+        "--only",
+        nargs="+",
+        help="calibrate from the jobs and benchmarks whose MODEL/CASE matches one of these shell "
+        "patterns (e.g. '*/fast_b128_l256'); the rest is held out for validate",
+    )
     cal.add_argument("--out", required=True, help="the calibration file to write (JSON)")
     pre = sub.add_parser("predict", help="rank the placements for N GPUs and a workload")
     pre.add_argument("--calibration", required=True)
@@ -41,15 +47,24 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     val.add_argument("--calibration", required=True)
     val.add_argument("directories", nargs="+")
     val.add_argument("--out", help="write validation.md, validation.csv and validation.png into this directory")
+    sca = sub.add_parser("scaling", help="one GPU's step over batch and completion length, predicted and measured")
+    sca.add_argument("--calibration", required=True)
+    sca.add_argument("--model-params", type=float, required=True, help="parameters, in billions (1.5 for 1.5B)")
+    sca.add_argument("--prompt-tokens", type=float, default=61.0)
+    sca.add_argument("directories", nargs="*", help="study/sweep directories whose one-GPU jobs of this size to show")
+    sca.add_argument("--out", required=True, help="the figure to write (PNG)")
     args = parser.parse_args(argv)
 
     if args.command == "calibrate":
-        write_json(Path(args.out), calibration.build(args.directories))
+        write_json(Path(args.out), calibration.build(args.directories, args.only))
         print(Path(args.out))
     elif args.command == "predict":
         if args.figure:
             require_extra("notebooks", FIGURES, "placement predict --figure")
         _predict(args)
+    elif args.command == "scaling":
+        require_extra("notebooks", FIGURES, "placement scaling")
+        _scaling(args)
     else:
         if args.out:
             require_extra("notebooks", FIGURES, "placement validate --out")
@@ -81,6 +96,34 @@ def _predict(args) -> None:
     if args.figure:
         figures.ranking(found, workload, title).savefig(args.figure, dpi=120)
         print(args.figure)
+
+
+def _scaling(args) -> None:
+    """Print one GPU's predicted step (and the measured one where a job of that workload ran); write the figure."""
+    cal = calibration.load(args.calibration)
+    predicted = figures.scaling_predictions(cal, args.model_params, args.prompt_tokens)
+    same_size = [
+        r
+        for r in validation.rows(cal, args.directories)
+        if "error" in r and r["request"] == "fast" and abs(r["params_b"] / args.model_params - 1) < 0.05
+    ]
+    print(f"{'placement':<16} {'length':>6} {'batch':>6} {'step s':>7} {'tok/s/GPU':>10}  share  measured step s")
+    for (kind, length), line in predicted.items():
+        for work, p in line:
+            seen = [
+                r["measured_s"]
+                for r in same_size
+                if r["completions"] == work.completions
+                and r["placement"] == kind
+                and figures.nearest_length(r["completion_tokens"]) == length
+            ]
+            print(
+                f"{kind:<16} {length:>6} {work.completions:>6} {p.step_s:7.2f} {p.tokens_per_s_per_gpu(work):10,.0f}"
+                f"  {p.placement.mem:5.2f}  {', '.join(f'{s:.2f}' for s in seen)}"
+            )
+    title = f"one GPU, {args.model_params} B, prompt {args.prompt_tokens:.0f} tokens; calibration: {cal['gpu']['name']}"
+    figures.scaling(predicted, same_size, title).savefig(args.out, dpi=120)
+    print(args.out)
 
 
 def _validate(args) -> None:

@@ -17,6 +17,7 @@ out (`validate` checks the model against them). A run's outputs and its sync eac
 from __future__ import annotations
 
 import csv
+import fnmatch
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -39,23 +40,27 @@ H200 = {
 }
 
 
-def build(directories: list[str | Path]) -> dict:
-    """A calibration from the one-GPU jobs and benchmarks under `directories` (study or sweep directories)."""
+def build(directories: list[str | Path], only: list[str] | None = None) -> dict:
+    """A calibration from the one-GPU jobs and benchmarks under `directories` (study or sweep directories); with
+    `only`, from those whose MODEL/CASE (or MODEL/BENCH, MODEL without -random) matches one of its shell patterns:
+    the rest of a study is then held out, for `validate` to predict."""
     jobs = [job for d in directories for job in measured.load(d)]
-    used = [j for j in jobs if j.gpus == 1 and j.placement in ("colocate", "colocate_sleep")]
+    chosen = [j for j in jobs if _chosen(f"{j.model}/{j.case}", only)]
+    used = [j for j in chosen if j.gpus == 1 and j.placement in ("colocate", "colocate_sleep")]
     calibration = {
         "format": FORMAT,
         "gpu": dict(H200),
         "sources": sorted({source(j) for j in used}),
         "left_out": sorted(f"{j.model} {j.case} ({j.gpus} GPUs)" for j in jobs if j not in used),
+        "only": only or [],
         "notes": [],
         "models": {},
     }
-    benches = _benches(directories)
+    benches = _benches(directories, only)
     for model in sorted({j.model for j in used}):
         mine = [j for j in used if j.model == model]
         calibration["models"][model] = _model(mine, benches.get(model, []), calibration["notes"])
-    _train_memory(directories, calibration)
+    _train_memory(directories, calibration, only)
     return calibration
 
 
@@ -72,24 +77,82 @@ def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> d
         "generate": {},
         "sync_s": {},
     }
-    # Generation: the generate phase of each run, as completion tokens/s of its one engine at its batch.
+    entry["extra_forward"] = _extra_forward(jobs)
+
+    def net(job: measured.Job, phase: str) -> float:  # the phase without TRL's extra forward, where it ran one
+        extra = 0.0 if job.one_forward else entry["extra_forward"].get(phase, 0.0) * _tokens_per_gpu(job)
+        return job.phases[phase] - extra
+
+    # Generation: the generate phase of each colocate run (sleep mode's own cost is below), as completion tokens/s
+    # of its one engine at its batch.
+    awake = [j for j in jobs if j.placement == "colocate"] or jobs
     for name, fast in (("trl", False), ("fast", True)):
         by_batch = defaultdict(list)
-        for j in jobs:
+        for j in awake:
             if j.fast_outputs == fast and j.phases["generate"] and j.mem == entry["mem"]:  # one memory share
-                by_batch[j.completions].append(j.completions * j.completion_tokens / j.phases["generate"])
+                by_batch[j.completions].append(j.completions * j.completion_tokens / net(j, "generate"))
         if by_batch:
             entry["generate"][name] = [[b, statistics.mean(r)] for b, r in sorted(by_batch.items())]
         if sync := [j.phases["sync_weights"] for j in jobs if j.fast_sync == fast and j.phases["sync_weights"]]:
             entry["sync_s"][name] = statistics.mean(sync)
-    sleep = [j.phases["sleep_wake"] for j in jobs if j.placement == "colocate_sleep"]
-    entry["sleep_wake_s"] = statistics.mean(sleep) if sleep else None
-    per_gpu = [(j.completions / j.train_gpus * (j.prompt_tokens + j.completion_tokens), j.phases) for j in jobs]
+    _fill_request_curve(entry, notes, first.model)
+    entry["sleep_wake_s"] = _sleep_cost(jobs)
     for phase in ("train", "other"):  # against the tokens each training GPU handles
-        entry[phase] = _line([(tokens, phases[phase]) for tokens, phases in per_gpu])
+        entry[phase] = _line([(_tokens_per_gpu(j), net(j, phase)) for j in jobs])
     entry["reward_s_per_completion"] = statistics.mean(j.phases["reward"] / j.completions for j in jobs)
     entry["server_engine"] = _server_engine(entry, benches, first.model, notes)
     return entry
+
+
+def _fill_request_curve(entry: dict, notes: list[str], model: str) -> None:
+    """TRL's request measured at fewer batches than ours: at each of our batches, our decoding step plus what TRL's
+    request adds per sequence and step (its log-prob objects and text are built per token on the host), measured
+    where both ran."""
+    fast, trl = dict(entry["generate"].get("fast", [])), dict(entry["generate"].get("trl", []))
+    both = [b for b in trl if b in fast]
+    if not both or set(fast) <= set(trl):
+        return
+    per_sequence = statistics.mean((b / trl[b] - b / fast[b]) / b for b in both)  # s per sequence and step
+    entry["generate"]["trl"] = [[b, trl.get(b) or b / (b / r + per_sequence * b)] for b, r in sorted(fast.items())]
+    notes.append(
+        f"{model}: TRL's request at batches {sorted(set(fast) - set(trl))} = ours + {per_sequence * 1e6:.1f} µs per "
+        f"sequence and decoding step (measured at {both})"
+    )
+
+
+def _sleep_cost(jobs: list[measured.Job]) -> float | None:
+    """Seconds sleep mode adds to a step: its sleep/wake phase, plus what its generate phase takes beyond a colocate
+    run's at the same batch, request and share (a woken engine generates slower; measured, not split further)."""
+    found = []
+    for sleep in (j for j in jobs if j.placement == "colocate_sleep"):
+        same = (sleep.completions, sleep.fast_outputs, sleep.one_forward, sleep.mem)
+        awake = [
+            j.phases["generate"]
+            for j in jobs
+            if j.placement == "colocate" and (j.completions, j.fast_outputs, j.one_forward, j.mem) == same
+        ]
+        slower = sleep.phases["generate"] - statistics.mean(awake) if awake else 0.0
+        found.append(sleep.phases["sleep_wake"] + max(slower, 0.0))
+    return statistics.mean(found) if found else None
+
+
+def _tokens_per_gpu(job: measured.Job) -> float:
+    """Prompt and completion tokens each training GPU handles per step."""
+    return job.completions / job.train_gpus * (job.prompt_tokens + job.completion_tokens)
+
+
+def _extra_forward(jobs: list[measured.Job]) -> dict[str, float]:
+    """Seconds per token (of a training GPU) TRL's extra no-grad forward adds to each phase: a job run with it
+    against one without, the same in all else (request, placement, batch, share); phases it does not lengthen are
+    left out. Empty when no such pair was measured."""
+    added = defaultdict(list)
+    for two in (j for j in jobs if not j.one_forward):
+        for one in jobs:
+            same = (one.fast_outputs, one.fast_sync, one.placement, one.completions, one.mem)
+            if one.one_forward and same == (two.fast_outputs, two.fast_sync, two.placement, two.completions, two.mem):
+                for phase, seconds in two.phases.items():
+                    added[phase].append((seconds - one.phases[phase]) / _tokens_per_gpu(two))
+    return {phase: statistics.mean(v) for phase, v in added.items() if statistics.mean(v) > 0}
 
 
 def _server_engine(entry: dict, benches: list[dict], model: str, notes: list[str]) -> dict | None:
@@ -119,18 +182,25 @@ def _server_engine(entry: dict, benches: list[dict], model: str, notes: list[str
 
 
 def source(job: measured.Job) -> str:
-    """Where a job's runs lie (runs/<model> of a study, or the sweep), relative to the checkout when inside it."""
-    path = Path(job.source).resolve().parent.parent
+    """Where a job's runs lie (runs/<model>/<case> of a study, or the sweep), relative to the checkout when inside
+    it: a job is in-sample when this is among a calibration's sources."""
+    path = Path(job.source).resolve().parent
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def _benches(directories) -> dict[str, list[dict]]:
+def _benches(directories, only: list[str] | None) -> dict[str, list[dict]]:
     found = defaultdict(list)
     for d in directories:
         for path in sorted(Path(d).glob("bench/*/*.json")):
             if (bench := read_json(path)) and "settings" in bench:
-                found[_build_name(bench["settings"]["model"])].append(bench)
+                model = _build_name(bench["settings"]["model"])
+                if _chosen(f"{model}/{path.stem}", only):
+                    found[model].append(bench)
     return found
+
+
+def _chosen(name: str, only: list[str] | None) -> bool:
+    return not only or any(fnmatch.fnmatchcase(name, pattern) for pattern in only)
 
 
 def _build_name(option: str) -> str:
@@ -138,7 +208,7 @@ def _build_name(option: str) -> str:
     return option.removesuffix("-random")
 
 
-def _train_memory(directories, calibration: dict) -> None:
+def _train_memory(directories, calibration: dict, only: list[str] | None) -> None:
     """The most a training GPU held (train_mem_gb) in the one-GPU colocate_sleep cases of results.csv."""
     for d in directories:
         path = Path(d) / "results.csv"
@@ -146,7 +216,8 @@ def _train_memory(directories, calibration: dict) -> None:
             continue
         for row in csv.DictReader(path.open()):
             model = calibration["models"].get(_build_name(row["model"]))
-            if model is not None and row["placement"] == "colocate_sleep" and row["gpus"] == "1":
+            chosen = _chosen(f"{_build_name(row['model'])}/{row['case']}", only)
+            if model is not None and chosen and row["placement"] == "colocate_sleep" and row["gpus"] == "1":
                 model["train_gb"] = max(model.get("train_gb") or 0.0, float(row["train_mem_gb"]))
 
 

@@ -33,6 +33,7 @@ class Job:
     completion_tokens: float  # mean per completion
     fast_outputs: bool
     fast_sync: bool
+    one_forward: bool  # placement.one_forward: no extra no-grad forward over each generation batch
     step_s: float
     phases: dict[str, float] = field(default_factory=dict)
     kv_cache_tokens: float | None = None  # one engine's KV cache (colocated runs log it)
@@ -86,6 +87,7 @@ def _job(run_dir: Path, row: dict, case: str) -> Job:
         completion_tokens=completion_tokens,
         fast_outputs=bool(placement.get("fast_outputs", False)),  # a run without these keys used TRL's own
         fast_sync=bool(placement.get("fast_sync", False)),
+        one_forward=bool(placement.get("one_forward", False)),
         step_s=row["timing_s/step"],
         phases={p: row.get(f"timing_s/{p}") or 0.0 for p in PHASES},
         kv_cache_tokens=summary.get("vllm/kv_cache_tokens"),

@@ -5,6 +5,7 @@ interpolated (or extrapolated) in parameters between the two nearest calibrated 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ class Placement:
     gpus: int  # GPUs used, a server's included
     server_gpus: int = 0
     request: str = "fast"  # colocated request and sync: fast (ours), trl (TRL's own), mixed (fast outputs, TRL's sync)
+    mem: float | None = None  # a colocated engine's memory share; None: its best share (predict)
+    one_forward: bool = True  # placement.one_forward; False: TRL's extra no-grad forward over each generation batch
 
     @property
     def train_gpus(self) -> int:
@@ -40,7 +43,8 @@ class Placement:
         if self.kind == "server":
             return f"server {self.train_gpus}+{self.server_gpus}"
         label = "colocate + sleep" if self.kind == "colocate_sleep" else "colocate"
-        return f"{label} {self.gpus} ({self.request})"
+        share = "" if self.mem is None else f", share {self.mem:g}"
+        return f"{label} {self.gpus} ({self.request}{share})"
 
 
 @dataclass
@@ -62,12 +66,29 @@ class Prediction:
 def placements(gpus: int, request: str = "fast") -> list[Placement]:
     """The placements compared on `gpus` GPUs: colocate and colocate + sleep (TP 1, one engine per GPU), and
     server K+T for every K (TP 1 engines; TRL's request and sync, the only ones server mode has)."""
-    found = [Placement("colocate", gpus, request=request), Placement("colocate_sleep", gpus, request=request)]
+    colocated = {"request": request, "one_forward": request != "trl"}
+    found = [Placement("colocate", gpus, **colocated), Placement("colocate_sleep", gpus, **colocated)]
     found += [Placement("server", gpus, server_gpus=k, request="trl") for k in range(1, gpus)]
     return found
 
 
+# The memory shares a colocated engine is predicted at when none is given (Placement.mem None).
+SHARES = tuple(round(0.05 * k, 2) for k in range(2, 19))  # 0.1 … 0.9
+
+
 def predict(calibration: dict, workload: Workload, placement: Placement) -> Prediction:
+    """The phases of one step; a colocated placement without a memory share is predicted at its best share: the
+    fastest that fits, the smallest of those within 1 % of it (vLLM's share changes only how many completions one
+    KV cache holds at once, and what training keeps)."""
+    if placement.kind == "server" or placement.mem is not None:
+        return _predict(calibration, workload, placement)
+    found = [_predict(calibration, workload, dataclasses.replace(placement, mem=share)) for share in SHARES]
+    fitting = [p for p in found if p.fits] or found[:1]
+    fastest = min(p.step_s for p in fitting)
+    return next(p for p in fitting if p.step_s <= fastest * 1.01)
+
+
+def _predict(calibration: dict, workload: Workload, placement: Placement) -> Prediction:
     m = _model_quantities(calibration, workload.params_b)
     gpu = calibration["gpu"]
     flags = list(m["flags"])
@@ -80,7 +101,7 @@ def predict(calibration: dict, workload: Workload, placement: Placement) -> Pred
     else:
         outputs = "trl" if placement.request == "trl" else "fast"  # mixed: fast outputs, TRL's sync
         curve = m["generate"].get(outputs) or m["generate"]["trl"]
-        mem = m["mem"]
+        mem = placement.mem
     sync_key = "fast" if placement.kind != "server" and placement.request == "fast" else "trl"
     sync = m["sync_s"].get(sync_key, m["sync_s"].get("trl", 0.0))
     # ring all-reduce of bf16 gradients, not overlapped with backward (an upper bound); none on one training GPU
@@ -94,9 +115,12 @@ def predict(calibration: dict, workload: Workload, placement: Placement) -> Pred
         "train": m["train"]["fixed_s"] + m["train"]["s_per_token"] * tokens_per_trainer + allreduce,
         "other": m["other"]["fixed_s"] + m["other"]["s_per_token"] * tokens_per_trainer,
     }
+    if not placement.one_forward:  # TRL's extra no-grad forward, in the phases it was measured in
+        for phase, s_per_token in (m.get("extra_forward") or {}).items():
+            phases[phase] += s_per_token * tokens_per_trainer
     train_gb = m["train_gb"]
     held = None if train_gb is None else train_gb + (mem * gpu["memory_gb"] if placement.kind == "colocate" else 0.0)
-    fits = held is None or held <= gpu["memory_gb"]
+    fits = (held is None or held <= gpu["memory_gb"]) and math.isfinite(phases["generate"])
     if not fits:
         flags.append(f"does not fit: ~{held:.0f} GB on a training GPU (training ~{train_gb:.0f} GB + vLLM)")
     return Prediction(placement, phases, fits, flags)
@@ -106,6 +130,9 @@ def _generate_s(curve, batch, workload, m, gpu, mem, flags: list[str]) -> float:
     """Seconds one engine takes to generate `batch` completions; what it extrapolates is added to `flags`."""
     context = workload.prompt_tokens + workload.completion_tokens
     capacity = _kv_capacity(m, gpu, mem)
+    if capacity is not None and capacity < context:
+        flags.append(f"a memory share of {mem:g} leaves no room for one completion's KV cache")
+        return math.inf
     waves = max(1, math.ceil(batch * context / capacity)) if capacity else 1
     if waves > 1:
         flags.append(f"the engine's KV cache holds {capacity:,.0f} tokens: {waves} waves of generation")
@@ -115,7 +142,8 @@ def _generate_s(curve, batch, workload, m, gpu, mem, flags: list[str]) -> float:
     calibrated = m["prompt_tokens"] + m["completion_tokens"] / 2
     extra = wave * (workload.prompt_tokens + workload.completion_tokens / 2 - calibrated) * m["kv_bytes_per_token"]
     step += max(extra, 0.0) / (gpu["hbm_gb_s"] * 1e9)
-    prefill_flops = 2 * workload.params_b * 1e9 * batch * workload.prompt_tokens
+    # The measured rates include the calibrated prompts' prefill: only longer (or shorter) prompts change it.
+    prefill_flops = 2 * workload.params_b * 1e9 * batch * (workload.prompt_tokens - m["prompt_tokens"])
     prefill = prefill_flops / (gpu["peak_tflops"] * 1e12 * gpu["prefill_efficiency"])
     if batch > curve[-1][0] * 1.01:
         flags.append(f"{batch:.0f} completions per engine: past the calibrated {curve[-1][0]:.0f} (extrapolated)")
@@ -199,14 +227,23 @@ def _model_quantities(calibration: dict, params_b: float) -> dict:
         "train_gb": mix(a["train_gb"] / a["params_b"], b["train_gb"] / b["params_b"]) * params_b
         if a.get("train_gb") and b.get("train_gb")
         else (a.get("train_gb") or b.get("train_gb") or 0) / a["params_b"] * params_b or None,
-        "server_curve": [[bb, r * mix(_factor(a), _factor(b))] for bb, r in generate["trl"]],
+        "server_curve": curve(_server_curve(a), _server_curve(b)),
+        "extra_forward": {
+            k: mix(a["extra_forward"].get(k, 0.0), b["extra_forward"].get(k, 0.0))
+            for k in {**a["extra_forward"], **b["extra_forward"]}
+        },
         "flags": [f"{params_b} B: {kind} from the calibrated {a['params_b']:.2f} B and {b['params_b']:.2f} B"],
     }
 
 
 def _filled(entry: dict, models: list[dict]) -> dict:
-    """A calibrated model's quantities, those it lacks (sleep/wake, training memory) from the nearest model."""
+    """A calibrated model's quantities, those it lacks (sleep/wake, training memory, TRL's extra forward) from
+    another model (the last two scaled by parameters)."""
     entry = dict(entry)
+    if not entry.get("extra_forward"):
+        donor = next((e for e in models if e.get("extra_forward")), None)
+        scale = entry["params_b"] / donor["params_b"] if donor else 0.0
+        entry["extra_forward"] = {k: v * scale for k, v in donor["extra_forward"].items()} if donor else {}
     if entry.get("sleep_wake_s") is None:
         entry["sleep_wake_s"] = next((e["sleep_wake_s"] for e in models if e.get("sleep_wake_s") is not None), 0.0)
     if entry.get("train_gb") is None:

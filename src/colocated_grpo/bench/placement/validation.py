@@ -27,13 +27,23 @@ def _row(calibration: dict, job: measured.Job, calibrated: set[str]) -> dict:
         "mem": job.mem,
         "request": job.request,
         "completions": job.completions,
+        "params_b": job.params_b,
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.completion_tokens,
         "in_sample": calibration_file.source(job) in calibrated,
         "measured_s": job.step_s,
         **{f"measured_{p}": job.phases[p] for p in PHASES},
     }
-    if why := _not_modelled(job):
+    if why := _not_modelled(job, calibration):
         return {**row, "note": why}
-    placement = Placement(job.placement, job.gpus, server_gpus=job.gpus - job.train_gpus, request=job.request)
+    placement = Placement(
+        job.placement,
+        job.gpus,
+        server_gpus=job.gpus - job.train_gpus,
+        request=job.request,
+        mem=None if job.placement == "server" else job.mem,
+        one_forward=job.one_forward,
+    )
     workload = Workload(job.completions, job.prompt_tokens, job.completion_tokens, job.params_b)
     prediction = predict(calibration, workload, placement)
     errors = {p: prediction.phases[p] - job.phases[p] for p in PHASES}
@@ -49,7 +59,10 @@ def _row(calibration: dict, job: measured.Job, calibrated: set[str]) -> dict:
     }
 
 
-def _not_modelled(job: measured.Job) -> str | None:
+def _not_modelled(job: measured.Job, calibration: dict) -> str | None:
+    sizes = [m["params_b"] for m in calibration["models"].values()]
+    if len(sizes) == 1 and abs(job.params_b / sizes[0] - 1) > 0.05:
+        return f"not modelled: the calibration has one model size ({sizes[0]:.2f} B)"
     if job.placement == "none":
         return "not modelled: transformers generate (no vLLM)"
     if job.tp > 1:
@@ -57,8 +70,15 @@ def _not_modelled(job: measured.Job) -> str | None:
     return None
 
 
-def summary(table: list[dict], in_sample: bool = False) -> dict:
-    errors = [abs(r["error"]) for r in table if "error" in r and r["in_sample"] == in_sample]
+GROUPS = {  # how a job stands to the calibration: label → which rows
+    "held out (one GPU, not calibrated from)": lambda r: not r["in_sample"] and r["gpus"] == 1,
+    "out of sample (multi-GPU)": lambda r: not r["in_sample"] and r["gpus"] > 1,
+    "in-sample (the calibration's own runs)": lambda r: r["in_sample"],
+}
+
+
+def summary(table: list[dict], group: str = "out of sample (multi-GPU)") -> dict:
+    errors = [abs(r["error"]) for r in table if "error" in r and GROUPS[group](r)]
     if not errors:
         return {"cases": 0}
     return {"cases": len(errors), "median": statistics.median(errors), "max": max(errors)}
@@ -85,8 +105,8 @@ def markdown(table: list[dict]) -> str:
             f"| {r['model']} | {r['case']} | {r['gpus']} | {r['request']} | {r['measured_s']:.3f} | {predicted} "
             f"{'yes' if r['in_sample'] else 'no'} | {r['note']} |"
         )
-    for in_sample, label in ((False, "out of sample (multi-GPU)"), (True, "in-sample (the calibration's own runs)")):
-        s = summary(table, in_sample)
+    for label in GROUPS:
+        s = summary(table, label)
         if s["cases"]:
             lines += ["", f"{label}: {s['cases']} jobs, |error| median {s['median']:.1%}, max {s['max']:.1%}"]
     return "\n".join(lines) + "\n"
