@@ -1,13 +1,17 @@
 """Predict which placement runs a GRPO step fastest on N GPUs, from a calibration measured on one GPU.
 
-    python -m colocated_grpo.bench.placement calibrate sweeps/results/fast_outputs_h200 … --out calibration.json
+    python -m colocated_grpo.bench.placement measure sweeps/studies/calibration_h200.yaml --dir DIR --out my_gpu.json
+    python -m colocated_grpo.bench.placement calibrate sweeps/results/calibration_h200 \
+        --study sweeps/studies/calibration_h200.yaml --out calibration.json
     python -m colocated_grpo.bench.placement predict --calibration calibration.json --gpus 8 \
         --completions 1024 --prompt-tokens 150 --completion-tokens 1024 --model-params 1.5
     python -m colocated_grpo.bench.placement validate --calibration FILE sweeps/results/h200_x2 … --out DIR
 
-`calibrate` reads study directories of one-GPU runs (`sweeps/studies/calibration_h200.yaml` measures one) and writes
-the small calibration file; `predict` prints the placements ranked by predicted step time and writes a figure;
-`validate` predicts every measured job of study or sweep directories and tables the errors.
+`measure` runs a study's calibration subset on this machine's GPU and writes the small calibration file (your GPU's,
+to share); `calibrate` writes it from study directories already run (`--study` or `--only` picks the subset, the
+rest is held out for `validate`); `predict` prints the placements ranked by predicted step time and writes a figure;
+`validate` predicts every measured job of study or sweep directories and tables the errors; `scaling` draws one
+GPU's step over batch and completion length, predicted and measured.
 The model: docs/placement.md.
 """
 
@@ -17,6 +21,7 @@ from pathlib import Path
 
 from colocated_grpo.bench.placement import calibration, figures, validation
 from colocated_grpo.bench.placement.model import Workload, placements, predict
+from colocated_grpo.bench.study import definition, running
 from colocated_grpo.provenance import FIGURES, command_parser, require_extra
 from colocated_grpo.run_files import write_json
 from colocated_grpo.telemetry.phases import PHASES
@@ -27,13 +32,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="build a calibration file from one-GPU study directories")
     cal.add_argument("directories", nargs="+", help="study (or sweep) directories; multi-GPU jobs are left out")
-    cal.add_argument(
+    subset = cal.add_mutually_exclusive_group()
+    subset.add_argument(
         "--only",
         nargs="+",
-        help="calibrate from the jobs and benchmarks whose MODEL/CASE matches one of these shell "
-        "patterns (e.g. '*/fast_b128_l256'); the rest is held out for validate",
+        help="calibrate from the jobs and benchmarks whose MODEL/CASE matches one of these shell patterns "
+        "(e.g. '*/fast_b128_l256'); the rest is held out for validate",
     )
+    subset.add_argument("--study", help="a study definition: calibrate from the cases its `calibrate` key names")
     cal.add_argument("--out", required=True, help="the calibration file to write (JSON)")
+    mea = sub.add_parser("measure", help="run a study's calibration subset on this GPU, then calibrate from it")
+    mea.add_argument("study", help="a study definition with a `calibrate` key (sweeps/studies/calibration_h200.yaml)")
+    mea.add_argument("--dir", required=True, help="the study directory the runs go to (run again to continue)")
+    mea.add_argument("--out", required=True, help="the calibration file to write (JSON)")
     pre = sub.add_parser("predict", help="rank the placements for N GPUs and a workload")
     pre.add_argument("--calibration", required=True)
     pre.add_argument("--gpus", type=int, required=True)
@@ -56,7 +67,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.command == "calibrate":
-        write_json(Path(args.out), calibration.build(args.directories, args.only))
+        only = _subset(args.study) if args.study else args.only
+        write_json(Path(args.out), calibration.build(args.directories, only))
+        print(Path(args.out))
+    elif args.command == "measure":
+        only = _subset(args.study)
+        running.run(args.study, args.dir, only)
+        write_json(Path(args.out), calibration.build([args.dir], only))
         print(Path(args.out))
     elif args.command == "predict":
         if args.figure:
@@ -69,6 +86,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         if args.out:
             require_extra("notebooks", FIGURES, "placement validate --out")
         _validate(args)
+
+
+def _subset(study_file: str) -> list[str]:
+    """The MODEL/CASE patterns a study definition's `calibrate` key names."""
+    if not (patterns := definition.load(study_file).get("calibrate")):
+        raise SystemExit(f"{study_file}: no `calibrate` key naming the cases to calibrate from")
+    return patterns
 
 
 def _predict(args) -> None:

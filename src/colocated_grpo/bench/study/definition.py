@@ -29,7 +29,8 @@ def load(path: str | Path) -> dict:
     """A study definition, checked: models, cases (name: overrides, or name: {kind: ours|plain_trl, overrides,
     models: the study's models it runs for, all by default}), baseline (a case, or a mapping from cases to the case
     each is compared with), optional common, bench, repeats, warmup_steps, seeds (repeat k runs with
-    seed=seeds[k-1]; repeats is then their number) and learning (see _learning_problems). Returned with cases as
+    seed=seeds[k-1]; repeats is then their number), learning (see _learning_problems) and calibrate (the MODEL/CASE
+    patterns the placement predictor is calibrated from, bench/placement). Returned with cases as
     name: overrides, `kinds` as name: kind, `case_models` as name: its models, and the defaults filled in."""
     study = yaml.safe_load(Path(path).read_text())
     problems = []
@@ -73,6 +74,11 @@ def load(path: str | Path) -> dict:
         value = study.setdefault(key, default)
         if not _whole(value, least):
             problems.append(f"{key}: a whole number of at least {least}, not {value!r}")
+    calibrate = study.get("calibrate")
+    if calibrate is not None and not (
+        isinstance(calibrate, list) and calibrate and all(isinstance(c, str) for c in calibrate)
+    ):
+        problems.append(f"calibrate: a list of MODEL/CASE patterns, not {calibrate!r}")
     problems += _learning_problems(study)
     if problems:
         raise SystemExit(f"{path}: invalid study:\n" + "\n".join(f"  - {p}" for p in problems))
