@@ -42,6 +42,7 @@ TINY_STUDY = {
     "learning": {"identity": ["colocate", "plain"], "control": ["colocate", "plain"], "final_steps": 2},
     "cases": {"colocate": [], "plain": {"kind": "plain_trl", "overrides": []}},
     "bench": {"trl_engine": TRL_ENGINE_BENCH},
+    "calibrate": ["tiny/colocate", "tiny/trl_engine"],  # the placement predictor's subset (bench/placement)
 }
 ORDER = ["colocate rep1", "plain rep1", "colocate rep2", "plain rep2", "trl_engine"]
 
@@ -59,6 +60,24 @@ def tiny_study(run_env, tmp_path_factory):
     proc = _run_study(definition, out, run_env, tmp)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return definition, out, proc
+
+
+def test_placement_measure_calibrates_from_the_study_s_subset_running_only_what_is_left(tiny_study, tmp_path, capsys):
+    import shutil
+
+    from colocated_grpo.bench.placement.__main__ import main as placement_main
+
+    definition, out, _ = tiny_study
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    placement_main(["measure", str(definition), f"--dir={copy}", f"--out={tmp_path / 'cal.json'}"])
+    printed = capsys.readouterr().out
+    assert "kept" in printed and "study done" in printed, printed  # every step of the subset had finished
+    cal = read_json(tmp_path / "cal.json")
+    assert [Path(s).name for s in cal["sources"]] == ["colocate"] and cal["only"] == TINY_STUDY["calibrate"]
+    assert any("plain" in s for s in cal["left_out"]), "the case the subset leaves out is not calibrated from"
+    (model,) = cal["models"].values()
+    assert [b for b, _ in model["generate"]["fast"]] == [4] and math.isfinite(model["train"]["s_per_token"])
 
 
 def _steady_step_s(run_dir) -> float:

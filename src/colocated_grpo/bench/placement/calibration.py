@@ -60,6 +60,7 @@ def build(directories: list[str | Path], only: list[str] | None = None) -> dict:
     for model in sorted({j.model for j in used}):
         mine = [j for j in used if j.model == model]
         calibration["models"][model] = _model(mine, benches.get(model, []), calibration["notes"])
+    _fill_request_curves(calibration["models"], calibration["notes"])
     _train_memory(directories, calibration, only)
     return calibration
 
@@ -95,7 +96,6 @@ def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> d
             entry["generate"][name] = [[b, statistics.mean(r)] for b, r in sorted(by_batch.items())]
         if sync := [j.phases["sync_weights"] for j in jobs if j.fast_sync == fast and j.phases["sync_weights"]]:
             entry["sync_s"][name] = statistics.mean(sync)
-    _fill_request_curve(entry, notes, first.model)
     entry["sleep_wake_s"] = _sleep_cost(jobs)
     for phase in ("train", "other"):  # against the tokens each training GPU handles
         entry[phase] = _line([(_tokens_per_gpu(j), net(j, phase)) for j in jobs])
@@ -104,20 +104,30 @@ def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> d
     return entry
 
 
-def _fill_request_curve(entry: dict, notes: list[str], model: str) -> None:
-    """TRL's request measured at fewer batches than ours: at each of our batches, our decoding step plus what TRL's
-    request adds per sequence and step (its log-prob objects and text are built per token on the host), measured
-    where both ran."""
+def _request_cost(entry: dict) -> float | None:
+    """Seconds TRL's request adds per sequence and decoding step to ours (its log-prob objects and text are built
+    per token on the host, whatever the model), where both were measured at the same batch."""
     fast, trl = dict(entry["generate"].get("fast", [])), dict(entry["generate"].get("trl", []))
-    both = [b for b in trl if b in fast]
-    if not both or set(fast) <= set(trl):
-        return
-    per_sequence = statistics.mean((b / trl[b] - b / fast[b]) / b for b in both)  # s per sequence and step
-    entry["generate"]["trl"] = [[b, trl.get(b) or b / (b / r + per_sequence * b)] for b, r in sorted(fast.items())]
-    notes.append(
-        f"{model}: TRL's request at batches {sorted(set(fast) - set(trl))} = ours + {per_sequence * 1e6:.1f} µs per "
-        f"sequence and decoding step (measured at {both})"
-    )
+    if both := [b for b in trl if b in fast]:
+        return statistics.mean((b / trl[b] - b / fast[b]) / b for b in both)
+    return None
+
+
+def _fill_request_curves(models: dict, notes: list[str]) -> None:
+    """TRL's request at each batch our request was measured at and it was not: our decoding step plus its cost per
+    sequence and step, measured on the same model or else on another."""
+    measured = {name: cost for name, entry in models.items() if (cost := _request_cost(entry)) is not None}
+    for name, entry in models.items():
+        fast, trl = dict(entry["generate"].get("fast", [])), dict(entry["generate"].get("trl", []))
+        donor = name if name in measured else next(iter(measured), None)
+        if donor is None or set(fast) <= set(trl):
+            continue
+        cost = measured[donor]
+        entry["generate"]["trl"] = [[b, trl.get(b) or b / (b / r + cost * b)] for b, r in sorted(fast.items())]
+        notes.append(
+            f"{name}: TRL's request at batches {sorted(set(fast) - set(trl))} = ours + {cost * 1e6:.1f} µs per "
+            f"sequence and decoding step (measured on {donor})"
+        )
 
 
 def _sleep_cost(jobs: list[measured.Job]) -> float | None:
