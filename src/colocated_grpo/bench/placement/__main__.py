@@ -107,11 +107,11 @@ def _predict(args) -> None:
     )
     print(title)
     print(
-        f"{'placement':<26} {'step s':>7} {'vs best':>8} {'tok/s/GPU':>10}  " + " ".join(f"{p[:8]:>8}" for p in PHASES)
+        f"{'placement':<38} {'step s':>7} {'vs best':>8} {'tok/s/GPU':>10}  " + " ".join(f"{p[:8]:>8}" for p in PHASES)
     )
     for p in found:
         print(
-            f"{p.placement.name:<26} {p.step_s:7.2f} {p.step_s / best:7.2f}× "
+            f"{p.placement.name:<38} {p.step_s:7.2f} {p.step_s / best:7.2f}× "
             f"{p.tokens_per_s_per_gpu(workload):10,.0f}  " + " ".join(f"{p.phases[k]:8.2f}" for k in PHASES)
         )
     for p in found:

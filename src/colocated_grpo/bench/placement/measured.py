@@ -37,6 +37,7 @@ class Job:
     step_s: float
     phases: dict[str, float] = field(default_factory=dict)
     kv_cache_tokens: float | None = None  # one engine's KV cache (colocated runs log it)
+    training: str = "ddp"  # the parallelism, with `+ lora` when adapters train (the model knows DDP full weights)
 
     @property
     def request(self) -> str:
@@ -91,4 +92,11 @@ def _job(run_dir: Path, row: dict, case: str) -> Job:
         step_s=row["timing_s/step"],
         phases={p: row.get(f"timing_s/{p}") or 0.0 for p in PHASES},
         kv_cache_tokens=summary.get("vllm/kv_cache_tokens"),
+        training=_training(cfg),
     )
+
+
+def _training(cfg: dict) -> str:
+    """The job's parallelism (ddp before it was a config group), with `+ lora` when it trained LoRA adapters."""
+    name = (cfg.get("parallelism") or {}).get("name", "ddp")
+    return f"{name} + lora" if (cfg.get("peft") or {}).get("name", "none") != "none" else name

@@ -63,6 +63,8 @@ def _not_modelled(job: measured.Job, calibration: dict) -> str | None:
     sizes = [m["params_b"] for m in calibration["models"].values()]
     if len(sizes) == 1 and abs(job.params_b / sizes[0] - 1) > 0.05:
         return f"not modelled: the calibration has one model size ({sizes[0]:.2f} B)"
+    if job.training != "ddp":
+        return f"not modelled: {job.training} (the model knows DDP training of every weight)"
     if job.placement == "none":
         return "not modelled: transformers generate (no vLLM)"
     if job.tp > 1:
