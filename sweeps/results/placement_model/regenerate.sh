@@ -18,7 +18,9 @@ $P scaling --calibration $CAL --model-params 1.544 sweeps/results/calibration_h2
     echo "Not measured: each block is one \`predict\` command and its output (docs/placement.md: the model, its"
     echo "validation and limits). \`(fast)\`: our colocated request and sync; \`(trl)\`: TRL's own; servers use TRL's"
     echo "request and sync, the only ones server mode has. Made by \`bash $D/regenerate.sh\`."
-    for params in 1.544 7.616; do
+    # 7B is extrapolated, which takes two calibrated sizes
+    sizes=$(python -c "import json; print(len(json.load(open('$CAL'))['models']))")
+    for params in 1.544 $([ "$sizes" -ge 2 ] && echo 7.616); do
         for work in "128 512" "1024 1024"; do
             set -- $work
             for request in fast trl; do
