@@ -93,7 +93,7 @@ def test_each_colocated_placement_is_predicted_at_its_best_memory_share(built):
 
 def test_trl_s_extra_forward_is_added_where_it_was_measured(built):
     cal = json.loads(json.dumps(built))
-    cal["models"]["qwen2.5-1.5b"]["extra_forward"] = {"other": 1e-5}
+    cal["models"]["qwen2.5-1.5b"]["added_s_per_token"]["extra_forward"] = {"other": 1e-5}
     work = Workload(128, 61, 256, 1.544)
     one = predict(cal, work, Placement("colocate", 1, mem=0.3))
     two = predict(cal, work, Placement("colocate", 1, mem=0.3, one_forward=False))

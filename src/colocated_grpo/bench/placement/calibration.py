@@ -78,27 +78,27 @@ def _model(jobs: list[measured.Job], benches: list[dict], notes: list[str]) -> d
         "generate": {},
         "sync_s": {},
     }
-    entry["extra_forward"] = _extra_forward(jobs)
-
-    def net(job: measured.Job, phase: str) -> float:  # the phase without TRL's extra forward, where it ran one
-        extra = 0.0 if job.one_forward else entry["extra_forward"].get(phase, 0.0) * _tokens_per_gpu(job)
-        return job.phases[phase] - extra
-
     # Generation: the generate phase of each colocate run (sleep mode's own cost is below), as completion tokens/s
     # of its one engine at its batch.
-    awake = [j for j in jobs if j.placement == "colocate"] or jobs
+    awake = [j for j in jobs if j.placement == "colocate" and (j.one_forward or not j.fast_outputs)] or jobs
     for name, fast in (("trl", False), ("fast", True)):
         by_batch = defaultdict(list)
         for j in awake:
             if j.fast_outputs == fast and j.phases["generate"] and j.mem == entry["mem"]:  # one memory share
-                by_batch[j.completions].append(j.completions * j.completion_tokens / net(j, "generate"))
+                by_batch[j.completions].append(j.completions * j.completion_tokens / j.phases["generate"])
         if by_batch:
             entry["generate"][name] = [[b, statistics.mean(r)] for b, r in sorted(by_batch.items())]
         if sync := [j.phases["sync_weights"] for j in jobs if j.fast_sync == fast and j.phases["sync_weights"]]:
             entry["sync_s"][name] = statistics.mean(sync)
     entry["sleep_wake_s"] = _sleep_cost(jobs)
-    for phase in ("train", "other"):  # against the tokens each training GPU handles
-        entry[phase] = _line([(_tokens_per_gpu(j), net(j, phase)) for j in jobs])
+    ours = [j for j in jobs if j.fast_outputs and j.one_forward] or jobs
+    for phase in ("train", "other"):  # against the tokens each training GPU handles, on our path
+        entry[phase] = _line([(_tokens_per_gpu(j), j.phases[phase]) for j in ours])
+    # What TRL's own path (its request, its extra no-grad forward) and that forward alone add to train and other
+    entry["added_s_per_token"] = {
+        "trl_path": _added(entry, [j for j in jobs if not j.fast_outputs and not j.one_forward]),
+        "extra_forward": _added(entry, [j for j in jobs if j.fast_outputs and not j.one_forward]),
+    }
     entry["reward_s_per_completion"] = statistics.mean(j.phases["reward"] / j.completions for j in jobs)
     entry["server_engine"] = _server_engine(entry, benches, first.model, notes)
     return entry
@@ -151,18 +151,16 @@ def _tokens_per_gpu(job: measured.Job) -> float:
     return job.completions / job.train_gpus * (job.prompt_tokens + job.completion_tokens)
 
 
-def _extra_forward(jobs: list[measured.Job]) -> dict[str, float]:
-    """Seconds per token (of a training GPU) TRL's extra no-grad forward adds to each phase: a job run with it
-    against one without, the same in all else (request, placement, batch, share); phases it does not lengthen are
-    left out. Empty when no such pair was measured."""
-    added = defaultdict(list)
-    for two in (j for j in jobs if not j.one_forward):
-        for one in jobs:
-            same = (one.fast_outputs, one.fast_sync, one.placement, one.completions, one.mem)
-            if one.one_forward and same == (two.fast_outputs, two.fast_sync, two.placement, two.completions, two.mem):
-                for phase, seconds in two.phases.items():
-                    added[phase].append((seconds - one.phases[phase]) / _tokens_per_gpu(two))
-    return {phase: statistics.mean(v) for phase, v in added.items() if statistics.mean(v) > 0}
+def _added(entry: dict, jobs: list[measured.Job]) -> dict[str, float]:
+    """Seconds per token (of a training GPU) `jobs` spent in train and in other beyond our path's fitted line, where
+    that is more than nothing; empty when no such job was measured."""
+    found = {}
+    for phase in ("train", "other"):
+        line = entry[phase]
+        extra = [(j.phases[phase] - line["fixed_s"]) / _tokens_per_gpu(j) - line["s_per_token"] for j in jobs]
+        if extra and statistics.mean(extra) > 0:
+            found[phase] = statistics.mean(extra)
+    return found
 
 
 def _server_engine(entry: dict, benches: list[dict], model: str, notes: list[str]) -> dict | None:

@@ -115,8 +115,12 @@ def _predict(calibration: dict, workload: Workload, placement: Placement) -> Pre
         "train": m["train"]["fixed_s"] + m["train"]["s_per_token"] * tokens_per_trainer + allreduce,
         "other": m["other"]["fixed_s"] + m["other"]["s_per_token"] * tokens_per_trainer,
     }
-    if not placement.one_forward:  # TRL's extra no-grad forward, in the phases it was measured in
-        for phase, s_per_token in (m.get("extra_forward") or {}).items():
+    if not placement.one_forward:  # TRL's path (its request and extra forward), or the extra forward alone
+        path = "trl_path" if placement.request == "trl" else "extra_forward"
+        added = m["added_s_per_token"].get(path)
+        if not added:
+            flags.append(f"{path.replace('_', ' ')}: not measured by the calibration, left out")
+        for phase, s_per_token in (added or {}).items():
             phases[phase] += s_per_token * tokens_per_trainer
     train_gb = m["train_gb"]
     held = None if train_gb is None else train_gb + (mem * gpu["memory_gb"] if placement.kind == "colocate" else 0.0)
@@ -228,22 +232,29 @@ def _model_quantities(calibration: dict, params_b: float) -> dict:
         if a.get("train_gb") and b.get("train_gb")
         else (a.get("train_gb") or b.get("train_gb") or 0) / a["params_b"] * params_b or None,
         "server_curve": curve(_server_curve(a), _server_curve(b)),
-        "extra_forward": {
-            k: mix(a["extra_forward"].get(k, 0.0), b["extra_forward"].get(k, 0.0))
-            for k in {**a["extra_forward"], **b["extra_forward"]}
+        "added_s_per_token": {
+            path: {
+                k: mix(a["added_s_per_token"][path].get(k, 0.0), b["added_s_per_token"][path].get(k, 0.0))
+                for k in {**a["added_s_per_token"][path], **b["added_s_per_token"][path]}
+            }
+            for path in ("trl_path", "extra_forward")
         },
         "flags": [f"{params_b} B: {kind} from the calibrated {a['params_b']:.2f} B and {b['params_b']:.2f} B"],
     }
 
 
 def _filled(entry: dict, models: list[dict]) -> dict:
-    """A calibrated model's quantities, those it lacks (sleep/wake, training memory, TRL's extra forward) from
+    """A calibrated model's quantities, those it lacks (sleep/wake, training memory, what TRL's path adds) from
     another model (the last two scaled by parameters)."""
     entry = dict(entry)
-    if not entry.get("extra_forward"):
-        donor = next((e for e in models if e.get("extra_forward")), None)
-        scale = entry["params_b"] / donor["params_b"] if donor else 0.0
-        entry["extra_forward"] = {k: v * scale for k, v in donor["extra_forward"].items()} if donor else {}
+    entry["added_s_per_token"] = dict(entry.get("added_s_per_token") or {})
+    for path in ("trl_path", "extra_forward"):  # per token, a cost that grows with the model: scaled by parameters
+        if not entry["added_s_per_token"].get(path):
+            donor = next((e for e in models if (e.get("added_s_per_token") or {}).get(path)), None)
+            scale = entry["params_b"] / donor["params_b"] if donor else 0.0
+            entry["added_s_per_token"][path] = (
+                {k: v * scale for k, v in donor["added_s_per_token"][path].items()} if donor else {}
+            )
     if entry.get("sleep_wake_s") is None:
         entry["sleep_wake_s"] = next((e["sleep_wake_s"] for e in models if e.get("sleep_wake_s") is not None), 0.0)
     if entry.get("train_gb") is None:
