@@ -124,9 +124,10 @@ def _predict(calibration: dict, workload: Workload, placement: Placement) -> Pre
             phases[phase] += s_per_token * tokens_per_trainer
     train_gb = m["train_gb"]
     held = None if train_gb is None else train_gb + (mem * gpu["memory_gb"] if placement.kind == "colocate" else 0.0)
-    fits = (held is None or held <= gpu["memory_gb"]) and math.isfinite(phases["generate"])
-    if not fits:
+    held_fits = held is None or held <= gpu["memory_gb"]
+    if not held_fits:
         flags.append(f"does not fit: ~{held:.0f} GB on a training GPU (training ~{train_gb:.0f} GB + vLLM)")
+    fits = held_fits and math.isfinite(phases["generate"])  # else the share holds no completion (flagged)
     return Prediction(placement, phases, fits, flags)
 
 
