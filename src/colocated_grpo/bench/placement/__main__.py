@@ -129,7 +129,10 @@ def _scaling(args) -> None:
     same_size = [
         r
         for r in validation.rows(cal, args.directories)
-        if "error" in r and r["request"] == "fast" and abs(r["params_b"] / args.model_params - 1) < 0.05
+        if "error" in r
+        and r["request"] == "fast"
+        and r["one_forward"]
+        and abs(r["params_b"] / args.model_params - 1) < 0.05
     ]
     print(f"{'placement':<16} {'length':>6} {'batch':>6} {'step s':>7} {'tok/s/GPU':>10}  share  measured step s")
     for (kind, length), line in predicted.items():

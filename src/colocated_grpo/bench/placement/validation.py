@@ -26,6 +26,7 @@ def _row(calibration: dict, job: measured.Job, calibrated: set[str]) -> dict:
         "tp": job.tp,
         "mem": job.mem,
         "request": job.request,
+        "one_forward": job.one_forward,
         "completions": job.completions,
         "params_b": job.params_b,
         "prompt_tokens": job.prompt_tokens,
