@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from colocated_grpo.bench.placement import calibration, figures, validation
-from colocated_grpo.bench.placement.model import Workload, placements, predict
+from colocated_grpo.bench.placement.model import Workload, placements, predict, same_size
 from colocated_grpo.bench.study import definition, running
 from colocated_grpo.provenance import FIGURES, command_parser, require_extra
 from colocated_grpo.run_files import write_json
@@ -126,20 +126,17 @@ def _scaling(args) -> None:
     """Print one GPU's predicted step (and the measured one where a job of that workload ran); write the figure."""
     cal = calibration.load(args.calibration)
     predicted = figures.scaling_predictions(cal, args.model_params, args.prompt_tokens)
-    same_size = [
+    this_size = [
         r
         for r in validation.rows(cal, args.directories)
-        if "error" in r
-        and r["request"] == "fast"
-        and r["one_forward"]
-        and abs(r["params_b"] / args.model_params - 1) < 0.05
+        if "error" in r and r["request"] == "fast" and r["one_forward"] and same_size(r["params_b"], args.model_params)
     ]
     print(f"{'placement':<16} {'length':>6} {'batch':>6} {'step s':>7} {'tok/s/GPU':>10}  share  measured step s")
     for (kind, length), line in predicted.items():
         for work, p in line:
             seen = [
                 r["measured_s"]
-                for r in same_size
+                for r in this_size
                 if r["completions"] == work.completions
                 and r["placement"] == kind
                 and figures.nearest_length(r["completion_tokens"]) == length
@@ -149,7 +146,7 @@ def _scaling(args) -> None:
                 f"  {p.placement.mem:5.2f}  {', '.join(f'{s:.2f}' for s in seen)}"
             )
     title = f"one GPU, {args.model_params} B, prompt {args.prompt_tokens:.0f} tokens; calibration: {cal['gpu']['name']}"
-    figures.scaling(predicted, same_size, title).savefig(args.out, dpi=120)
+    figures.scaling(predicted, this_size, title).savefig(args.out, dpi=120)
     print(args.out)
 
 

@@ -4,11 +4,17 @@ one GPU's step over batch and completion length."""
 from __future__ import annotations
 
 from colocated_grpo.bench.placement.model import Placement, Prediction, Workload, predict
+from colocated_grpo.bench.placement.validation import GROUPS
 from colocated_grpo.telemetry.phases import PHASES
 
 SCALING_BATCHES = (64, 128, 256, 512, 1024)
 SCALING_LENGTHS = (256, 1024)
 ONE_GPU = {"colocate": Placement("colocate", 1), "colocate_sleep": Placement("colocate_sleep", 1)}
+VALIDATION_MARKERS = {  # each validation group (validation.GROUPS): its legend label and marker, in legend order
+    "in-sample (the calibration's own runs)": ("in-sample, 1 GPU", "x"),
+    "held out (one GPU, not calibrated from)": ("held out, 1 GPU", "s"),
+    "out of sample (multi-GPU)": ("multi-GPU", "o"),
+}
 
 
 def ranking(predictions: list[Prediction], workload: Workload, title: str):
@@ -44,12 +50,8 @@ def validation(table: list[dict]):
     for share, style in ((0.0, "-"), (0.1, "--"), (0.2, ":")):
         for sign in {1, -1}:
             ax.plot([0, top], [0, top * (1 + sign * share)], "k" + style, lw=0.7)
-    groups = (
-        ("in-sample, 1 GPU", "x", lambda r: r["in_sample"]),
-        ("held out, 1 GPU", "s", lambda r: not r["in_sample"] and r["gpus"] == 1),
-        ("multi-GPU", "o", lambda r: not r["in_sample"] and r["gpus"] > 1),
-    )
-    for label, marker, member in groups:
+    for group, (label, marker) in VALIDATION_MARKERS.items():
+        member = GROUPS[group]
         for placement, color in (("colocate", "tab:blue"), ("colocate_sleep", "tab:green"), ("server", "tab:red")):
             if chosen := [r for r in rows if member(r) and r["placement"] == placement]:
                 ax.scatter(

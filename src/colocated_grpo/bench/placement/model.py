@@ -76,21 +76,35 @@ def placements(gpus: int, request: str = "fast") -> list[Placement]:
 SHARES = tuple(round(0.05 * k, 2) for k in range(2, 19))  # 0.1 … 0.9
 
 
+def same_size(params_b: float, other_b: float) -> bool:
+    """Whether two parameter counts (billions) are one model size: within 5 % of `other_b`."""
+    return abs(params_b - other_b) <= 0.05 * other_b
+
+
+def uncalibrated(calibration: dict, params_b: float) -> str | None:
+    """Why the calibration cannot predict a model of `params_b` (it has one other size only), or None."""
+    sizes = [m["params_b"] for m in calibration["models"].values()]
+    if len(sizes) == 1 and not same_size(sizes[0], params_b):
+        return f"the calibration has one model size ({sizes[0]:.2f} B)"
+    return None
+
+
 def predict(calibration: dict, workload: Workload, placement: Placement) -> Prediction:
     """The phases of one step; a colocated placement without a memory share is predicted at its best share: the
     fastest that fits, the smallest of those within 1 % of it (vLLM's share changes only how many completions one
     KV cache holds at once, and what training keeps)."""
+    m = _model_quantities(calibration, workload.params_b)
     if placement.kind == "server" or placement.mem is not None:
-        return _predict(calibration, workload, placement)
-    found = [_predict(calibration, workload, dataclasses.replace(placement, mem=share)) for share in SHARES]
+        return _predict(calibration["gpu"], m, workload, placement)
+    shares = [dataclasses.replace(placement, mem=share) for share in SHARES]
+    found = [_predict(calibration["gpu"], m, workload, at_share) for at_share in shares]
     fitting = [p for p in found if p.fits] or found[:1]
     fastest = min(p.step_s for p in fitting)
     return next(p for p in fitting if p.step_s <= fastest * 1.01)
 
 
-def _predict(calibration: dict, workload: Workload, placement: Placement) -> Prediction:
-    m = _model_quantities(calibration, workload.params_b)
-    gpu = calibration["gpu"]
+def _predict(gpu: dict, m: dict, workload: Workload, placement: Placement) -> Prediction:
+    """One placement at its memory share, from the model's quantities `m` (_model_quantities)."""
     flags = list(m["flags"])
     per_engine = workload.completions / placement.engines
     per_trainer = workload.completions / placement.train_gpus
@@ -183,11 +197,11 @@ def _model_quantities(calibration: dict, params_b: float) -> dict:
     """The calibration's quantities for a model of `params_b`: a calibrated model's own (within 5 %), else each
     interpolated linearly in parameters between the two nearest calibrated models (flagged)."""
     models = sorted(calibration["models"].values(), key=lambda e: e["params_b"])
-    if exact := [e for e in models if abs(e["params_b"] - params_b) <= 0.05 * params_b]:
+    if exact := [e for e in models if same_size(e["params_b"], params_b)]:
         entry = _filled(exact[0], models)
         return {**entry, "server_curve": _server_curve(entry), "flags": []}
-    if len(models) == 1:
-        raise SystemExit(f"{params_b} B parameters: the calibration has one model size only; calibrate this one")
+    if why := uncalibrated(calibration, params_b):
+        raise SystemExit(f"{params_b} B parameters: {why}; calibrate this one")
     a, b = sorted(sorted(models, key=lambda e: abs(e["params_b"] - params_b))[:2], key=lambda e: e["params_b"])
     a, b = _filled(a, models), _filled(b, models)
     w = (params_b - a["params_b"]) / (b["params_b"] - a["params_b"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from colocated_grpo.bench.placement import calibration as calibration_file
 from colocated_grpo.bench.placement import measured
-from colocated_grpo.bench.placement.model import Placement, Workload, predict
+from colocated_grpo.bench.placement.model import Placement, Workload, predict, uncalibrated
 from colocated_grpo.telemetry.phases import PHASES
 
 
@@ -61,9 +61,8 @@ def _row(calibration: dict, job: measured.Job, calibrated: set[str]) -> dict:
 
 
 def _not_modelled(job: measured.Job, calibration: dict) -> str | None:
-    sizes = [m["params_b"] for m in calibration["models"].values()]
-    if len(sizes) == 1 and abs(job.params_b / sizes[0] - 1) > 0.05:
-        return f"not modelled: the calibration has one model size ({sizes[0]:.2f} B)"
+    if why := uncalibrated(calibration, job.params_b):
+        return f"not modelled: {why}"
     if job.training != "ddp":
         return f"not modelled: {job.training} (the model knows DDP training of every weight)"
     if job.placement == "none":
