@@ -126,8 +126,8 @@ def _predict(gpu: dict, m: dict, workload: Workload, placement: Placement) -> Pr
         "sync_weights": sync,
         "sleep_wake": m["sleep_wake_s"] if placement.kind == "colocate_sleep" else 0.0,
         "reward": m["reward_s_per_completion"] * per_trainer,
-        "train": m["train"]["fixed_s"] + m["train"]["s_per_token"] * tokens_per_trainer + allreduce,
-        "other": m["other"]["fixed_s"] + m["other"]["s_per_token"] * tokens_per_trainer,
+        "train": _line_s(m["train"], tokens_per_trainer) + allreduce,
+        "other": _line_s(m["other"], tokens_per_trainer),
     }
     if not placement.one_forward:  # TRL's path (its request and extra forward), or the extra forward alone
         path = "trl_path" if placement.request == "trl" else "extra_forward"
@@ -143,6 +143,12 @@ def _predict(gpu: dict, m: dict, workload: Workload, placement: Placement) -> Pr
         flags.append(f"does not fit: ~{held:.0f} GB on a training GPU (training ~{train_gb:.0f} GB + vLLM)")
     fits = held_fits and math.isfinite(phases["generate"])  # else the share holds no completion (flagged)
     return Prediction(placement, phases, fits, flags)
+
+
+def _line_s(line: dict, tokens: float) -> float:
+    """A fitted line's seconds for `tokens`, never below zero: a small negative intercept, interpolated between
+    sizes or carried to another model size, must not make a phase take negative time."""
+    return max(0.0, line["fixed_s"] + line["s_per_token"] * tokens)
 
 
 def _generate_s(curve, batch, workload, m, gpu, mem, flags: list[str]) -> float:
