@@ -16,6 +16,10 @@ cost of running in-process.
 Each is reported as a share of `none`, with the time the log-probs take to parse as a run parses them (TRL's
 extract_logprobs; for `fast`, compat.trl.read_flat_logprobs).
 
+`--max-num-seqs` caps the sequences the engine decodes at once, `--cudagraph-max` sets the largest batch vLLM
+captures a CUDA graph for (its default stops at 512; larger decoding batches run without graphs). The JSON records
+the values the engine ran with.
+
     python -m colocated_grpo.bench.vllm_generate --model qwen2.5-1.5b-random --prompts 64 --completion 256 --mem 0.3
     python -m colocated_grpo.bench.vllm_generate --engine trl --outputs none,trl,fast --prompts 32,128,256,512
 """
@@ -36,6 +40,7 @@ from colocated_grpo.provenance import checkout, command_parser
 from colocated_grpo.run_files import write_json
 
 OUTPUTS = ("none", "trl", "fast")
+SETTINGS = ("model", "prompt_tokens", "completion", "mem", "tp", "engine", "max_num_seqs", "cudagraph_max")
 
 
 def sampling_kwargs(outputs: str) -> dict:
@@ -58,7 +63,7 @@ def _outputs_list(text: str) -> list[str]:
     return names
 
 
-def main(argv=None, prog: str | None = None) -> None:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = command_parser("colocated_grpo.bench.vllm_generate", __doc__, prog)
     parser.add_argument("--model", default="qwen2.5-0.5b-random", help="a conf/model option or a model directory")
     parser.add_argument("--prompts", type=_int_list, default=[64], help="completions per batch, e.g. 32,128,512")
@@ -79,7 +84,16 @@ def main(argv=None, prog: str | None = None) -> None:
         default=None,
         help=f"comma-separated request variants from {list(OUTPUTS)} (default: trl for --engine trl, else none)",
     )
+    parser.add_argument("--max-num-seqs", type=int, help="vLLM's max_num_seqs (default: vLLM's for this device)")
+    parser.add_argument(
+        "--cudagraph-max", type=int, help="vLLM's max_cudagraph_capture_size (default: vLLM's, 512 on an H200)"
+    )
     parser.add_argument("--json", help="also write the settings and each repeat's tokens/s to this file")
+    return parser
+
+
+def main(argv=None, prog: str | None = None) -> None:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.outputs = args.outputs or ["trl" if args.engine == "trl" else "none"]
     if args.engine == "trl" and args.tp > 1 and "WORLD_SIZE" not in os.environ:
@@ -99,7 +113,11 @@ def main(argv=None, prog: str | None = None) -> None:
         max_model_len=args.prompt_tokens + args.completion + 8,
         seed=0,
         **engine_kwargs(args.engine),
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+        **({"compilation_config": {"max_cudagraph_capture_size": args.cudagraph_max}} if args.cudagraph_max else {}),
     )
+    limits = engine_limits(llm)
+    print(f"engine: at most {limits['max_num_seqs']} sequences at once, CUDA graphs up to {limits['cudagraph_max']}")
     fixed = {"temperature": 1.0, "max_tokens": args.completion, "min_tokens": args.completion, "ignore_eos": True}
     results = []
     for batch in args.prompts:
@@ -119,10 +137,10 @@ def main(argv=None, prog: str | None = None) -> None:
             )
     _print_shares(results)
     if args.json:
-        settings = {k: getattr(args, k) for k in ("model", "prompt_tokens", "completion", "mem", "tp", "engine")}
+        settings = {k: getattr(args, k) for k in SETTINGS}
         settings["prompts"] = args.prompts[0] if len(args.prompts) == 1 else args.prompts
         first = results[0]["tokens_per_s"]  # the first case's repeats: what the study report reads
-        report = {"settings": settings, "tokens_per_s": first, "results": results}
+        report = {"settings": settings, "tokens_per_s": first, "results": results, "engine_limits": limits}
         # vLLM's default engine runs in processes of its own; TRL's colocated one in this process (none)
         report["engine_processes"] = len(psutil.Process().children(recursive=True))
         write_json(Path(args.json), report)
@@ -153,6 +171,17 @@ def _print_shares(results: list[dict]) -> None:
             share = fmean(r["tokens_per_s"]) / base[r["prompts"]]
             r["share_of_none"] = share
             print(f"{r['prompts']} sequences, outputs {r['outputs']}: {share:.0%} of the no-log-prob rate")
+
+
+def engine_limits(llm) -> dict:
+    """What the engine was built with: the most sequences it decodes at once, the largest CUDA-graph batch (None when
+    it runs eagerly)."""
+    config = llm.llm_engine.vllm_config
+    eager = config.model_config.enforce_eager
+    return {
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "cudagraph_max": None if eager else config.compilation_config.max_cudagraph_capture_size,
+    }
 
 
 def engine_kwargs(engine: str) -> dict:
