@@ -73,6 +73,9 @@ def test_phases_follow_the_placement(built):
         "server 2+1",
         "server 1+2",
     ]
+    assert not any("CUDA graph" in f for f in server.flags), "256 sequences on its one engine"
+    crowded = predict(built, Workload(1024, 61, 256, 1.544), Placement("server", 8, server_gpus=1, request="trl"))
+    assert any("1024 sequences decode at once, past vLLM's largest CUDA graph" in f for f in crowded.flags)
     longer = predict(built, Workload(256, 61, 1024, 1.544), Placement("colocate", 8))
     assert longer.phases["generate"] > 4 * eight.phases["generate"], "4× the tokens and a longer context"
 

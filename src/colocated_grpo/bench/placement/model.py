@@ -145,6 +145,10 @@ def _predict(gpu: dict, m: dict, workload: Workload, placement: Placement) -> Pr
     return Prediction(placement, phases, fits, flags)
 
 
+# vLLM's default largest CUDA-graph batch, min(2 × max_num_seqs, 512); larger decoding batches run without graphs
+CUDA_GRAPH_MAX = 512
+
+
 def _line_s(line: dict, tokens: float) -> float:
     """A fitted line's seconds for `tokens`, never below zero: a small negative intercept, interpolated between
     sizes or carried to another model size, must not make a phase take negative time."""
@@ -172,6 +176,11 @@ def _generate_s(curve, batch, workload, m, gpu, mem, flags: list[str]) -> float:
     prefill = prefill_flops / (gpu["peak_tflops"] * 1e12 * gpu["prefill_efficiency"])
     if batch > curve[-1][0] * 1.01:
         flags.append(f"{batch:.0f} completions per engine: past the calibrated {curve[-1][0]:.0f} (extrapolated)")
+    if wave > CUDA_GRAPH_MAX:
+        flags.append(
+            f"{wave:.0f} sequences decode at once, past vLLM's largest CUDA graph ({CUDA_GRAPH_MAX} by default): "
+            "on one H200, 1024 at once generated at half the rate per token of 256, which this model does not predict"
+        )
     return waves * workload.completion_tokens * step + prefill
 
 
