@@ -119,7 +119,7 @@ def mark_complete_callback():
     rotation, which runs inside the save before the mark, is turned off: it could delete the last complete checkpoint
     while the new one is still unmarked. (Built here so that this module imports without transformers: the run-dir
     guard imports it.)"""
-    import torch.distributed as dist
+    from accelerate import PartialState
     from transformers import TrainerCallback
 
     class MarkComplete(TrainerCallback):
@@ -130,8 +130,7 @@ def mark_complete_callback():
                 self.keep, args.save_total_limit = args.save_total_limit, None
 
         def on_save(self, args, state, control, **kwargs):
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                dist.barrier()
+            PartialState().wait_for_everyone()  # the trainer's state: a barrier of every rank, none for one process
             if state.is_world_process_zero:
                 path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
                 run_files.write_json(path / COMPLETE, {"global_step": state.global_step, "ranks": args.world_size})
