@@ -274,8 +274,6 @@ def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:
     return "\n".join(lines)
 
 
-# The rendezvous of a plain `python train.py`: this process hosts the `env://` store itself, as torchrun's agent does,
-# on a port it holds until it ends (TRL's fixed-port pick let two runs started together collide on EADDRINUSE).
 def launched_world_size(cfg: DictConfig) -> int:
     """The processes this run really has (torchrun's WORLD_SIZE, else one); warns when parallelism.nproc_per_node,
     which only tells a launcher how many to start, disagrees."""
