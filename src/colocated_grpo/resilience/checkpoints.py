@@ -130,7 +130,7 @@ def mark_complete_callback():
                 self.keep, args.save_total_limit = args.save_total_limit, None
 
         def on_save(self, args, state, control, **kwargs):
-            PartialState().wait_for_everyone()  # the trainer's state: a barrier of every rank, none for one process
+            PartialState().wait_for_everyone()  # what Accelerator.wait_for_everyone runs; no-op on one process
             if state.is_world_process_zero:
                 path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
                 run_files.write_json(path / COMPLETE, {"global_step": state.global_step, "ranks": args.world_size})
