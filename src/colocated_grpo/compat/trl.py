@@ -332,38 +332,58 @@ def vllm_is_ratio(logps, sampling_logps, mask, mode: str, clip_min, clip_max):
 class _GenerationStats:
     """What TRL's sampling/* metrics summarise over one process's generation batch, gathered micro-batch by
     micro-batch: |logps - sampling| over the scored completion tokens, and the ratio over completion tokens (token
-    modes) or sequences (sequence modes)."""
+    modes) or sequences (sequence modes). Kept on the device: nothing waits for the GPU between a micro-batch's
+    forward and its backward; the values cross to the host once, when the generation batch is logged."""
+
+    # delta sum, delta count, delta max, ratio sum, ratio count, ratio min, ratio max
+    SUMS, MAXES, MINS = (0, 1, 3, 4), (2, 6), (5,)
 
     def __init__(self):
-        self.delta_sum = self.delta_n = self.ratio_sum = self.ratio_n = 0.0
-        self.delta_max = self.ratio_min = self.ratio_max = None
+        self.totals = None
         self.micro_batches = 0
 
     def add(self, logps, sampling_logps, mask, ratio, per_sequence: bool) -> None:
+        import torch
+
         delta = (logps - sampling_logps).abs()
-        delta = delta[mask.bool() & ~delta.isnan()]
-        flat = ratio.flatten() if per_sequence else ratio[mask.bool()]
-        if delta.numel():
-            self.delta_sum += delta.sum().item()
-            self.delta_n += delta.numel()
-            self.delta_max = max(delta.max().item(), self.delta_max or 0.0)
-        if flat.numel():
-            self.ratio_sum += flat.sum().item()
-            self.ratio_n += flat.numel()
-            low, high = flat.min().item(), flat.max().item()
-            self.ratio_min = low if self.ratio_min is None else min(low, self.ratio_min)
-            self.ratio_max = high if self.ratio_max is None else max(high, self.ratio_max)
+        scored = mask.bool() & ~delta.isnan()
+        counted = torch.ones_like(ratio, dtype=torch.bool) if per_sequence else mask.bool()
+        stats = torch.stack(
+            [
+                delta.masked_fill(~scored, 0.0).sum(),
+                scored.sum(),
+                delta.masked_fill(~scored, 0.0).max(),  # |delta| >= 0: an empty batch gives 0
+                ratio.masked_fill(~counted, 0.0).sum(),
+                counted.sum(),
+                ratio.masked_fill(~counted, math.inf).min(),
+                ratio.masked_fill(~counted, -math.inf).max(),
+            ]
+        ).float()
+        if self.totals is None:
+            self.totals = stats
+        else:
+            t = self.totals
+            t[list(self.SUMS)] += stats[list(self.SUMS)]
+            t[list(self.MAXES)] = torch.maximum(t[list(self.MAXES)], stats[list(self.MAXES)])
+            t[list(self.MINS)] = torch.minimum(t[list(self.MINS)], stats[list(self.MINS)])
         self.micro_batches += 1
 
-    def per_process(self) -> list[float]:
-        """The five values TRL computes on each process, in IS_RATIO_METRICS' order (0 where nothing counted)."""
-        return [
-            self.delta_sum / self.delta_n if self.delta_n else 0.0,
-            self.delta_max or 0.0,
-            self.ratio_min if self.ratio_min is not None else 0.0,
-            self.ratio_sum / self.ratio_n if self.ratio_n else 0.0,
-            self.ratio_max if self.ratio_max is not None else 0.0,
-        ]
+    def per_process(self):
+        """The five values TRL computes on each process, in IS_RATIO_METRICS' order (0 where nothing counted), as
+        one tensor on the device."""
+        import torch
+
+        d_sum, d_n, d_max, r_sum, r_n, r_min, r_max = self.totals.unbind()
+        zero = torch.zeros_like(d_sum)
+        return torch.stack(
+            [
+                torch.where(d_n > 0, d_sum / d_n.clamp(min=1), zero),
+                d_max,
+                torch.where(r_n > 0, r_min, zero),
+                torch.where(r_n > 0, r_sum / r_n.clamp(min=1), zero),
+                torch.where(r_n > 0, r_max, zero),
+            ]
+        )
 
 
 class OneForward:
@@ -426,17 +446,19 @@ class OneForward:
         if self.stats.micro_batches == trainer.args.steps_per_generation:  # the generation batch is done
             self._log(self.stats.per_process())
 
-    def _log(self, values: list[float]) -> None:
-        """Gather each process's values and reduce them as TRL does (mean of means, max of maxes, …)."""
+    def _log(self, values) -> None:
+        """Gather each process's values (a tensor on its device) and reduce them as TRL does (mean of means, max of
+        maxes, …)."""
         import torch
         from trl.trainer.utils import nanmax, nanmin
 
         trainer = self.trainer
-        gathered = trainer.accelerator.gather(torch.tensor(values, device=trainer.accelerator.device).unsqueeze(0))
-        gathered = gathered.view(-1, len(values))
+        gathered = trainer.accelerator.gather(values.to(trainer.accelerator.device).unsqueeze(0))
+        gathered = gathered.view(-1, values.numel())
         reduce = (torch.mean, torch.max, nanmin, torch.nanmean, nanmax)
-        for name, column, how in zip(IS_RATIO_METRICS, gathered.unbind(dim=1), reduce, strict=True):
-            trainer._metrics["train"][name].append(how(column).item())
+        reduced = torch.stack([how(column) for how, column in zip(reduce, gathered.unbind(dim=1), strict=True)])
+        for name, value in zip(IS_RATIO_METRICS, reduced.tolist(), strict=True):  # one copy to the host
+            trainer._metrics["train"][name].append(value)
 
 
 def install_one_forward(trainer) -> str:
