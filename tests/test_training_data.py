@@ -152,7 +152,10 @@ def test_preflight_refuses_long_prompts_naming_keys_and_derives_the_engine_lengt
         *base, "data.max_prompt_tokens=40", "data.overlong_prompts=truncate", "trainer.vllm_max_model_length=null"
     )
     prepared = preflight.prepare(cfg, tmp_path, [])
-    assert prepared.prompts["truncated"] == 8 and prepared.prompts["derived"] == {"vllm_max_model_length": 40 + 32}
+    assert prepared.prompts["truncated"] == 8 and prepared.prompts["derived"] == {
+        "vllm_max_model_length": 40 + 32,
+        "gradient_checkpointing": False,  # the tiny model fits: memory_plan
+    }
     assert prepared.args.vllm_max_model_length == 72 and prepared.dataset[0]["prompt"].endswith("TL;DR:")
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import (
     MOVING,
     MOVING_SYNC_OFF_FROM,
@@ -90,6 +91,16 @@ def test_default_run_prints_one_line_per_step_and_writes_the_whole_dicts_to_trai
     assert "upload with: wandb sync" in default_run.output, "our summary still says how to upload"
     log = (default_run.dir / "train.log").read_text()
     assert log.count("{'loss':") == 3 and log.count("trainer totals: {'train_runtime':") == 1
+
+
+def test_the_default_run_chooses_gradient_checkpointing_from_memory(default_run):
+    # trainer/tiny.yaml leaves it unset: the tiny model's micro-batch fits, so checkpointing goes off, says so, and is
+    # what TRL trained with
+    assert "gradient checkpointing: off (chosen: micro-batches of 4 x" in default_run.output
+    record = json.loads((default_run.dir / "run.json").read_text())
+    assert record["prompts"]["derived"]["gradient_checkpointing"] is False
+    args = torch.load(default_run.dir / "checkpoint-3" / "training_args.bin", weights_only=False)
+    assert args.gradient_checkpointing is False
 
 
 def test_default_run_mirrors_metrics_to_wandb_offline(default_run):

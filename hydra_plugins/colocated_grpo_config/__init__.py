@@ -24,6 +24,7 @@ class Run:
     resume: str = MISSING  # one of checkpoints.RESUME_MODES, checked by config.validate
     stop_on_nonfinite: bool = MISSING
     fixed_completion_length: bool = MISSING
+    auto_memory: bool = MISSING
 
 
 @dataclass

@@ -72,7 +72,8 @@ def _settings(cfg) -> str:
     return (
         f"It ran with model={cfg.model.get('build') or cfg.model.name_or_path}, parallelism={cfg.parallelism.name}, "
         f"peft={cfg.peft.name}, placement={placement}, trainer.per_device_train_batch_size="
-        f"{t.per_device_train_batch_size}, trainer.gradient_checkpointing={t.get('gradient_checkpointing')}"
+        f"{t.per_device_train_batch_size}, trainer.gradient_checkpointing="
+        f"{t.get('gradient_checkpointing', 'as run.auto_memory chose (the start lines say)')}"
     )
 
 

@@ -1,15 +1,19 @@
 """What the runner checks once the config is valid, before W&B starts or the model loads: the dataset as loaded,
-every prompt's length in tokens, and TRL's own rules on the trainer settings; all problems at once, as a ConfigError."""
+every prompt's length in tokens, and TRL's own rules on the trainer settings; all problems at once, as a ConfigError.
+What depends on memory is chosen here too (memory_plan)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from colocated_grpo.training import config, data, models, prompt_lengths, rewards
+from colocated_grpo.training import config, data, memory_plan, models, prompt_lengths, rewards
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -31,6 +35,11 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
     if dataset is not None:
         dataset, report, found = _fit_prompts(cfg, dataset, derived)
         problems += found
+        if not found:
+            chosen, line = memory_plan.choose(cfg, report.longest_tokens if report else None)
+            derived.update(chosen)
+            if line:
+                log.info("%s", line)
     try:
         args = config.grpo_config(cfg, output_dir=str(run_dir), report_to=report_to, derived=derived)
     except config.ConfigError as err:
