@@ -126,6 +126,53 @@ def test_study_runs_the_cases_interleaved_and_tables_their_repeats(tiny_study):
     assert math.isnan(table.loc["plain", "speedup_vs_baseline"]), "the baseline has none"
 
 
+def test_speed_ups_against_each_baseline_on_step_time_and_on_tokens_per_s(tiny_study, tmp_path):
+    """A case compared with two baselines (as ours is with plain TRL at TRL's defaults and plain TRL given our
+    settings): one speedups.csv row each, on step time and on tokens/s, with each side's tokens per step."""
+    import shutil
+
+    _, out, _ = tiny_study
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    shutil.copytree(copy / "runs" / "tiny" / "plain", copy / "runs" / "tiny" / "plain_again")  # a second baseline
+    spec = yaml.safe_load((copy / "study.yaml").read_text())
+    spec["cases"]["plain_again"] = spec["cases"]["plain"]
+    spec["baseline"] = {"colocate": ["plain", "plain_again"]}
+    (copy / "study.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    study_report.report(copy)
+
+    table = pd.read_csv(copy / "results.csv").set_index("case")
+    versus = pd.read_csv(copy / "speedups.csv")
+    pairs = list(zip(versus["case"], versus["baseline"], strict=True))
+    assert pairs == [("colocate", "plain"), ("colocate", "plain_again")]
+    runs = copy / "runs" / "tiny"
+    for _, r in versus.iterrows():
+        assert r["step_speedup"] == pytest.approx(table.loc["colocate", "speedup_vs_baseline"], rel=1e-3)
+        rate = table.loc["colocate", "tokens_per_s"] / table.loc["plain", "tokens_per_s"]
+        assert r["tokens_per_s_speedup"] == pytest.approx(rate, rel=1e-3)
+        assert r["tokens_per_s_speedup_min"] <= r["tokens_per_s_speedup"] <= r["tokens_per_s_speedup_max"]
+        for side, case in (("tokens_per_step", "colocate"), ("baseline_tokens_per_step", "plain")):
+            kept = [
+                m["perf/tokens"]
+                for k in (1, 2)
+                for m in read_jsonl(runs / case / f"rep{k}" / "metrics.jsonl")
+                if m[STEP_KEY] > WARMUP
+            ]
+            assert r[side] == pytest.approx(fmean(kept), rel=1e-3), (side, "the mean tokens of a steady step")
+    md = (copy / "results.md").read_text()
+    assert "## Speed-ups" in md and "| tiny | colocate | plain_again |" in md
+
+
+def test_a_baseline_list_names_cases_of_the_study(tmp_path):
+    path = tmp_path / "s.yaml"
+    spec = {"models": ["tiny"], "cases": {"a": [], "b": [], "c": []}, "baseline": {"a": ["b", "c"], "b": "c"}}
+    path.write_text(yaml.safe_dump(spec))
+    assert study.baselines(study.load(path)) == {"a": ["b", "c"], "b": ["c"]}
+    path.write_text(yaml.safe_dump({**spec, "baseline": {"a": ["b", "d"]}}))
+    with pytest.raises(SystemExit, match=r"baseline: \['d'\] must be cases of"):
+        study.load(path)
+
+
 def test_the_plain_run_records_what_ours_records(tiny_study):
     _, out, _ = tiny_study
     plain, ours = (out / "runs" / "tiny" / case / "rep1" for case in ("plain", "colocate"))
@@ -511,16 +558,21 @@ def test_speed_ups_pair_each_repeat_with_the_baseline_run_next_to_it():
     baseline = [_repeat(1, 4.0), _repeat(2, 6.0), _repeat(3, 5.0)]
     case = [_repeat(1, 2.0), _repeat(2, 4.0), _repeat(3, 2.5)]
     found = study_report.speedups(baseline, case)
-    assert found["speedup_vs_baseline"] == pytest.approx(5.0 / (8.5 / 3)), "the ratio of the means"
-    assert found["speedup_pairs"] == "2.000, 1.500, 2.000"
-    assert (found["speedup_min"], found["speedup_max"]) == (1.5, 2.0)
+    assert found["mean"] == pytest.approx(5.0 / (8.5 / 3)), "the ratio of the means"
+    assert found["pairs"] == "2.000, 1.500, 2.000"
+    assert (found["min"], found["max"]) == (1.5, 2.0)
     # a repeat missing on one side pairs with nothing, and the means are over the repeats both finished
     found = study_report.speedups(baseline, [_repeat(1, 2.0), _repeat(2, None, "failed"), _repeat(3, 2.5)])
-    assert found["speedup_pairs"] == "2.000, –, 2.000" and found["speedup_min"] == found["speedup_max"] == 2.0
-    assert found["speedup_vs_baseline"] == pytest.approx(4.5 / 2.25), "not the failed repeat's slow baseline run"
+    assert found["pairs"] == "2.000, –, 2.000" and found["min"] == found["max"] == 2.0
+    assert found["mean"] == pytest.approx(4.5 / 2.25), "not the failed repeat's slow baseline run"
     assert study_report.speedups(baseline, [_repeat(1, None, "failed")]) == {}
     itself = study_report.speedups(baseline, baseline)  # one baseline for all: the baseline's own row
-    assert itself["speedup_vs_baseline"] == 1.0 and itself["speedup_pairs"] == "1.000, 1.000, 1.000"
+    assert itself["mean"] == 1.0 and itself["pairs"] == "1.000, 1.000, 1.000"
+    # on a rate the case's over the baseline's: the case made 1.5x the tokens/s in each pair
+    rates = [{**r, "tokens_per_s": 100.0 * r["repeat"]} for r in baseline]
+    faster = [{**r, "tokens_per_s": 150.0 * r["repeat"]} for r in case]
+    found = study_report.speedups(rates, faster, "tokens_per_s")
+    assert found["mean"] == pytest.approx(1.5) and found["pairs"] == "1.500, 1.500, 1.500"
 
 
 def test_the_plain_trl_script_calls_none_of_our_changes_to_trl():

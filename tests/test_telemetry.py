@@ -176,6 +176,7 @@ def test_step_metrics_aggregate_two_ranks():
     assert m["perf/tokens_per_s_per_train_gpu"] == 400 and m["placement/gpus"] == 2
     assert m["perf/gen_tokens_per_s"] == 2000
     assert m["perf/mfu"] == pytest.approx(6 * 1e6 * 8000 / (10 * 1e12 * 2))
+    assert m["perf/train_mfu"] == pytest.approx(6 * 1e6 * 8000 / (m["timing_s/train"] * 1e12 * 2))
     assert m["gpu/util_generate"] == pytest.approx((90 + 45) / 2)
     assert m["gpu/util_sync_weights"] == pytest.approx((40 + 20) / 2)
     assert m["gpu/util_reward"] == 0 and m["gpu/util_train"] == pytest.approx(45)

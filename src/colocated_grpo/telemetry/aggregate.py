@@ -73,7 +73,10 @@ def step_metrics(
         metrics["perf/gen_tokens_per_s"] = completion / metrics["timing_s/generate"]
     if n_params and peak_tflops_per_gpu and "perf/tokens_per_s" in metrics:
         # Training FLOPs only (forward + backward ≈ 6 · params · tokens); generation is not counted.
-        metrics["perf/mfu"] = 6 * n_params * (prompt + completion) / (step_s * peak_tflops_per_gpu * 1e12 * n_gpus)
+        flops = 6 * n_params * (prompt + completion)
+        metrics["perf/mfu"] = flops / (step_s * peak_tflops_per_gpu * 1e12 * n_gpus)
+        if metrics["timing_s/train"] > 0:  # the train phase alone, on the training GPUs; recomputation not counted
+            metrics["perf/train_mfu"] = flops / (metrics["timing_s/train"] * peak_tflops_per_gpu * 1e12 * len(reports))
 
     if gpus:
         metrics.update(_gpu_metrics(reports))

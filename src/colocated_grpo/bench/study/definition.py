@@ -27,9 +27,9 @@ LEARNING, FINAL_STEPS = {"identity", "control", "final_steps"}, 5  # the keys of
 
 def load(path: str | Path) -> dict:
     """A study definition, checked: models, cases (name: overrides, or name: {kind: ours|plain_trl, overrides,
-    models: the study's models it runs for, all by default}), baseline (a case, or a mapping from cases to the case
-    each is compared with), optional common, bench, repeats, warmup_steps, seeds (repeat k runs with
-    seed=seeds[k-1]; repeats is then their number), learning (see _learning_problems) and calibrate (the MODEL/CASE
+    models: the study's models it runs for, all by default}), baseline (a case, or a mapping from cases to the case,
+    or the list of cases, each is compared with), optional common, bench, repeats, warmup_steps, seeds (repeat k runs
+    with seed=seeds[k-1]; repeats is then their number), learning (see _learning_problems) and calibrate (the MODEL/CASE
     patterns the placement predictor is calibrated from, bench/placement). Returned with cases as
     name: overrides, `kinds` as name: kind, `case_models` as name: its models, and the defaults filled in."""
     study = yaml.safe_load(Path(path).read_text())
@@ -43,7 +43,7 @@ def load(path: str | Path) -> dict:
         study["cases"] = {}
     else:
         named = study.get("baseline")
-        named = [*named.keys(), *named.values()] if isinstance(named, dict) else [named]
+        named = [*named.keys(), *_flat(named.values())] if isinstance(named, dict) else [named]
         if unknown := [b for b in named if b not in study["cases"]]:
             problems.append(f"baseline: {unknown} must be cases of {list(study['cases'])}")
     study["kinds"], study["case_models"] = {}, {}
@@ -115,10 +115,17 @@ def cases_of(study: dict, model: str) -> list[str]:
     return [case for case in study["cases"] if model in study["case_models"][case]]
 
 
-def baselines(study: dict) -> dict[str, str]:
-    """case → the case its speed-up is measured against (one baseline for all, or the study's pairs)."""
+def baselines(study: dict) -> dict[str, list[str]]:
+    """case → the cases its speed-ups are measured against, the first one in results.csv's speedup_* columns (one
+    baseline for all, or the study's mapping of a case to a case or to a list of them)."""
     baseline = study["baseline"]
-    return dict(baseline) if isinstance(baseline, dict) else dict.fromkeys(study["cases"], baseline)
+    if not isinstance(baseline, dict):
+        return {case: [baseline] for case in study["cases"]}
+    return {case: [against] if isinstance(against, str) else list(against) for case, against in baseline.items()}
+
+
+def _flat(values) -> list:
+    return [v for value in values for v in (value if isinstance(value, list) else [value])]
 
 
 def case_command(

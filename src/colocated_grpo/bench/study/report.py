@@ -33,10 +33,11 @@ COLUMNS = (
     *("placement", "train_gpus", "gpus", "tp", "gpu_memory_utilization", "params_b"),
     *("step_s", "step_s_min", "step_s_max", "step_s_spread_min", "step_s_spread_max", "step_s_repeats"),
     *(f"{phase}_s" for phase in PHASES),
+    *("tokens_per_step", "tokens_per_s"),
     *("tokens_per_s_per_gpu", "tokens_per_s_per_gpu_spread_min", "tokens_per_s_per_gpu_spread_max"),
     *("tokens_per_s_per_train_gpu", "gen_tokens_per_s_per_engine"),
     *("speedup_vs_baseline", "speedup_min", "speedup_max", "speedup_pairs"),
-    *("util_generate", "util_sync_weights", "util_train", "peak_gb", "train_mem_gb", "gen_mem_gb"),
+    *("util_generate", "util_sync_weights", "util_train", "train_mfu", "peak_gb", "train_mem_gb", "gen_mem_gb"),
     "sync_s_per_b_params",
     *("steps", "note"),
 )
@@ -44,20 +45,31 @@ COLUMNS = (
 MEANS = {
     "step_s": "timing_s/step",
     **{f"{phase}_s": f"timing_s/{phase}" for phase in PHASES},
+    "tokens_per_step": "perf/tokens",
+    "tokens_per_s": "perf/tokens_per_s",
     "tokens_per_s_per_gpu": "perf/tokens_per_s_per_gpu",
     "tokens_per_s_per_train_gpu": "perf/tokens_per_s_per_train_gpu",
     "gen_tokens_per_s": "perf/gen_tokens_per_s",
     "util_generate": "gpu/util_generate",
     "util_sync_weights": "gpu/util_sync_weights",
     "util_train": "gpu/util_train",
+    "train_mfu": "perf/train_mfu",
     "peak_gb": "memory/peak_gb",
 }
+# speedups.csv: one row per model, case and baseline (a case may have several): tokens per step of each side, and the
+# case's speed-up on step time and on tokens/s (the mean over the repeats both finished, and each pair's).
+SPEEDUP_COLUMNS = (
+    *("model", "case", "baseline", "tokens_per_step", "baseline_tokens_per_step"),
+    *("step_speedup", "step_speedup_min", "step_speedup_max", "step_speedup_pairs"),
+    *("tokens_per_s_speedup", "tokens_per_s_speedup_min", "tokens_per_s_speedup_max", "tokens_per_s_speedup_pairs"),
+)
 
 
-def rows(out: Path, study: dict) -> list[dict]:
-    """One row per (model, case) of a study directory (COLUMNS), speed-ups against each case's baseline."""
+def rows(out: Path, study: dict) -> tuple[list[dict], list[dict]]:
+    """One row per (model, case) of a study directory (COLUMNS), speed-ups against each case's first baseline; and
+    one row per (model, case, baseline) with the speed-ups on step time and on tokens/s (SPEEDUP_COLUMNS)."""
     against = baselines(study)
-    table = []
+    table, versus = [], []
     for model in study["models"]:
         repeats = {
             case: [repeat_row(d, study["warmup_steps"], k) for k, d in repeat_dirs(out / "runs" / model / case).items()]
@@ -65,10 +77,33 @@ def rows(out: Path, study: dict) -> list[dict]:
         }
         for case, runs in repeats.items():
             row = case_row(model, case, study["kinds"][case], runs)
-            if case in against:
-                row.update(speedups(repeats.get(against[case], []), runs))
+            bases = [b for b in against.get(case, []) if b in repeats]
+            if bases and (first := speedups(repeats[bases[0]], runs)):
+                row.update(_columns(first, "speedup", mean="speedup_vs_baseline"))
+            for base in (b for b in bases if b != case):
+                step, rate = speedups(repeats[base], runs), speedups(repeats[base], runs, "tokens_per_s")
+                if step:
+                    versus.append(
+                        {
+                            **dict(model=model, case=case, baseline=base),
+                            "tokens_per_step": _mean_of(runs, "tokens_per_step"),
+                            "baseline_tokens_per_step": _mean_of(repeats[base], "tokens_per_step"),
+                            **_columns(step, "step_speedup"),
+                            **_columns(rate, "tokens_per_s_speedup"),
+                        }
+                    )
             table.append({key: row.get(key) for key in COLUMNS})
-    return table
+    return table, [{key: r.get(key) for key in SPEEDUP_COLUMNS} for r in versus]
+
+
+def _columns(found: dict, name: str, mean: str | None = None) -> dict:
+    """speedups()' result as columns: NAME (or `mean`), NAME_min, NAME_max, NAME_pairs."""
+    return {(mean or name) if k == "mean" else f"{name}_{k}": v for k, v in found.items()}
+
+
+def _mean_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r["status"] == "finished" and r.get(key) is not None]
+    return fmean(values) if values else None
 
 
 def repeat_row(job_dir: Path, warmup: int, repeat: int) -> dict:
@@ -153,22 +188,22 @@ def case_row(model: str, case: str, kind: str, runs: list[dict]) -> dict:
     return row
 
 
-def speedups(baseline: list[dict], runs: list[dict]) -> dict:
-    """A case's speed-up over its baseline (both lists of repeat_row): the ratio of the mean step times over the
-    repeats both finished, and per pair (repeat k of each: run next to each other) baseline step / case step, their
-    min and max and the list. The same work per step: the time ratio is the throughput ratio."""
-    base = {r["repeat"]: r["step_s"] for r in baseline if r["status"] == "finished" and r.get("step_s")}
-    case = {r["repeat"]: r["step_s"] for r in runs if r["status"] == "finished" and r.get("step_s")}
+def speedups(baseline: list[dict], runs: list[dict], key: str = "step_s") -> dict:
+    """A case's speed-up over its baseline (both lists of repeat_row) on `key`: `mean`, the ratio of the means over
+    the repeats both finished, and per pair (repeat k of each: run next to each other) `min`, `max` and `pairs` (the
+    list). On step_s the baseline's over the case's; on a rate (tokens_per_s) the case's over the baseline's: with
+    natural stop the two sides may generate different numbers of tokens, so the two ratios can differ."""
+    base = {r["repeat"]: r[key] for r in baseline if r["status"] == "finished" and r.get(key)}
+    case = {r["repeat"]: r[key] for r in runs if r["status"] == "finished" and r.get(key)}
     if not base or not case:
         return {}
-    pairs = {k: base[k] / case[k] if k in base and k in case else None for k in sorted(base.keys() | case.keys())}
+    ratio = (lambda b, c: b / c) if key == "step_s" else (lambda b, c: c / b)
+    pairs = {k: ratio(base[k], case[k]) if k in base and k in case else None for k in sorted(base.keys() | case.keys())}
     both = base.keys() & case.keys() or base.keys() | case.keys()  # the repeats both finished: the same conditions
-    found = {
-        "speedup_vs_baseline": fmean(base[k] for k in both if k in base) / fmean(case[k] for k in both if k in case)
-    }
+    found = {"mean": ratio(fmean(base[k] for k in both if k in base), fmean(case[k] for k in both if k in case))}
     if ratios := [p for p in pairs.values() if p is not None]:
-        found.update(speedup_min=min(ratios), speedup_max=max(ratios))
-        found["speedup_pairs"] = ", ".join(_num(p, "{:.3f}") or "–" for p in pairs.values())  # – : a run missing
+        found.update(min=min(ratios), max=max(ratios))
+        found["pairs"] = ", ".join(_num(p, "{:.3f}") or "–" for p in pairs.values())  # – : a run missing
     return found
 
 
@@ -196,13 +231,19 @@ def report(out: str | Path) -> list[Path]:
         )
     study = load(out / "study.yaml")
     csv, md, figure = out / "results.csv", out / "results.md", out / "study.png"
-    table = pd.DataFrame(rows(out, study), columns=list(COLUMNS))
+    found, versus = rows(out, study)
+    table = pd.DataFrame(found, columns=list(COLUMNS))
     table.to_csv(csv, index=False, float_format="%.4g")
+    written = [csv]
+    if versus:
+        versus = pd.DataFrame(versus, columns=list(SPEEDUP_COLUMNS))
+        versus.to_csv(out / "speedups.csv", index=False, float_format="%.4g")
+        written.append(out / "speedups.csv")
     plots.study_figure(table).savefig(figure, dpi=120)
-    md.write_text(markdown(out, study, table, bench_rows(out)))
-    for path in (csv, md, figure):
+    md.write_text(markdown(out, study, table, bench_rows(out), versus if len(versus) else None))
+    for path in (*written, md, figure):
         print(path)
-    return [csv, md, figure, *(learning.report(out, study) if study.get("learning") else [])]
+    return [*written, md, figure, *(learning.report(out, study) if study.get("learning") else [])]
 
 
 def one_run_per_case(out: Path) -> bool:
@@ -210,7 +251,7 @@ def one_run_per_case(out: Path) -> bool:
     return any(out.glob("runs/*/*/*/" + run_files.JOB)) and not any(out.glob("runs/*/*/rep*/" + run_files.JOB))
 
 
-def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
+def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) -> str:
     lines = [f"# Study results: {out.name}", "", *environment_lines(out)]
     if isinstance(study["baseline"], dict):
         pairs = ", ".join(f"`{case}` against `{base}`" for case, base in study["baseline"].items())
@@ -277,6 +318,27 @@ def markdown(out: Path, study: dict, table, benches: list[dict]) -> str:
             note = "none recorded: see its job.log" if tables.missing(r["note"]) else r["note"]
             note = str(note).replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {r['model']} | {r['case']} | {r['status']} | {note} |")
+    if versus is not None:
+        lines += [
+            "",
+            "## Speed-ups",
+            "",
+            "Each case against each of its baselines, on step time and on tokens/s (with natural stop the two sides",
+            "may generate different numbers of tokens: tokens per step shows it). In brackets: the lowest and highest",
+            "pair.",
+            "",
+            "| model | case | against | tokens / step | baseline tokens / step | on step time | on tokens/s |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        for _, r in versus.iterrows():
+            cells = [
+                *(r["model"], r["case"], r["baseline"]),
+                *(_num(r[k], "{:,.0f}") for k in ("tokens_per_step", "baseline_tokens_per_step")),
+                _num(r["step_speedup"], "{:.2f}×") + _range(r["step_speedup_min"], r["step_speedup_max"]),
+                _num(r["tokens_per_s_speedup"], "{:.2f}×")
+                + _range(r["tokens_per_s_speedup_min"], r["tokens_per_s_speedup_max"]),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     if not single:
         lines += ["", "## Runs", "", "| model | case | step s of each run | speed-up of each pair |"]
         lines.append("|---|---|---|---|")
