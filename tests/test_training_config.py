@@ -1,6 +1,7 @@
 """Every experiment composes and validates; each bad input fails before any model is loaded, naming key and fix."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -340,3 +341,23 @@ def test_liger_kernels_without_their_package_are_refused_before_loading(monkeypa
         in message
     )
     validate(compose_train("trainer.use_liger_kernel=false"))  # off: the package is not needed
+
+
+def test_the_model_runner_v2_is_asked_of_vllm_on_a_gpu_and_refused_without_one(monkeypatch):
+    from colocated_grpo.training import build
+    from colocated_grpo.training.config import gpu_only_problems
+
+    assert gpu_only_problems(compose_train()) == []
+    cfg = compose_train("placement.model_runner_v2=true")
+    (problem,) = gpu_only_problems(cfg)
+    assert problem.startswith("placement.model_runner_v2=true needs a GPU")
+    # on a GPU (torch's answer stands in for one here): vLLM is asked for it before the engine is built
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        build.prepare_environment(compose_train())
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+        build.prepare_environment(cfg)
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    finally:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)

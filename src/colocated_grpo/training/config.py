@@ -252,6 +252,8 @@ def gpu_only_problems(cfg: DictConfig) -> list[str]:
         problems.append(
             "trainer.vllm_enable_sleep_mode=true (placement=colocate_sleep) needs a GPU; vLLM on CPU has no sleep mode"
         )
+    if cfg.placement.get("model_runner_v2"):
+        problems.append("placement.model_runner_v2=true needs a GPU: vLLM's CPU backend has no model runner v2")
     if cfg.parallelism.name == "fsdp":
         problems.append(
             "parallelism=fsdp needs GPUs: accelerate turns FSDP on only for GPU-like devices, so on CPU it would "
