@@ -642,6 +642,7 @@ COMPLETIONS_PER_STEP = {
     "learning_h200": lambda case: 64,
     "learning_h200_x2": lambda case: 64,
     "parallelism_h200": lambda case: 128,
+    "speed_h200": lambda case: int(case.rsplit("_", 1)[1]),
 }
 
 
