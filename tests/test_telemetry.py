@@ -107,6 +107,21 @@ def test_trls_generation_weight_sync_and_sleep_mode_engine_calls_are_timed_in_th
     assert awake.sleep is llm.sleep  # sleep mode off: the engine is left alone
 
 
+def test_a_trl_without_a_timed_method_is_said_at_start(monkeypatch, caplog):
+    """Another TRL that renamed a method the timings override: the run says which phases read 0."""
+    from trl import GRPOTrainer
+
+    from colocated_grpo.compat.grpo_trainer import TimedGRPOTrainer
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self: None)  # no model, no engine
+    TimedGRPOTrainer()
+    assert not caplog.records
+    monkeypatch.delattr(GRPOTrainer, "_calculate_rewards")
+    TimedGRPOTrainer()
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "has no _calculate_rewards; those phases read 0" in record.getMessage()
+
+
 def test_barrier_runs_at_every_edge_and_its_cost_is_counted():
     calls = []
     clock = FakeClock()

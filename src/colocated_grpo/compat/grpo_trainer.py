@@ -117,6 +117,10 @@ class TimedGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if missing := [
+            n for n in ("_prepare_inputs", "_generate", "_calculate_rewards") if not hasattr(GRPOTrainer, n)
+        ]:
+            log.warning("phase timings: this TRL's GRPOTrainer has no %s; those phases read 0", ", ".join(missing))
         if getattr(self, "vllm_generation", None) is not None:
             # TRL 1.16 builds VLLMGeneration by name inside GRPOTrainer.__init__, with no factory to override: the
             # built object takes our subclass (methods only, no state of its own)
