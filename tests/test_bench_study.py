@@ -576,11 +576,12 @@ def test_speed_ups_pair_each_repeat_with_the_baseline_run_next_to_it():
 
 
 def test_the_plain_trl_script_calls_none_of_our_changes_to_trl():
-    """bench/plain_trl.py stays plain: no installer of compat.trl (install_*, whatever is added there), no reseed."""
-    from colocated_grpo.compat import trl as trl_internals
+    """bench/plain_trl.py stays plain: it builds the timing-only TimedGRPOTrainer, none of ours that changes TRL (our
+    ColocatedGRPOTrainer, whatever else compat.trl or compat.grpo_trainer holds)."""
+    from colocated_grpo.compat import grpo_trainer
 
-    ours = {name for name in vars(trl_internals) if name.startswith("install_")} | {"reseed_generation"}
-    assert {"install_fast_sync", "install_flat_logprob_reader"} <= ours
+    ours = {name for name, value in vars(grpo_trainer).items() if callable(value) and name != "TimedGRPOTrainer"}
+    assert {"ColocatedGRPOTrainer", "ColocatedVLLMGeneration"} <= ours
     source = (REPO / study.PLAIN_SCRIPT).read_text()
     nodes = list(ast.walk(ast.parse(source)))
     called = {
@@ -592,8 +593,9 @@ def test_the_plain_trl_script_calls_none_of_our_changes_to_trl():
     imported = {
         f"{node.module}.{alias.name}" for node in nodes if isinstance(node, ast.ImportFrom) for alias in node.names
     }
-    assert not [name for name in imported if "compat.trl" in name], imported
-    assert {"GRPOTrainer", "TelemetryCallback", "MetricsFileCallback"} <= called and "trainer.train()" in source
+    from_trl = [name for name in imported if "compat.trl" in name or "compat.grpo_trainer" in name]
+    assert from_trl == ["colocated_grpo.compat.grpo_trainer.TimedGRPOTrainer"], imported
+    assert {"TimedGRPOTrainer", "TelemetryCallback", "MetricsFileCallback"} <= called and "trainer.train()" in source
 
 
 def test_plain_trl_gets_our_grpo_config_but_trls_engine_request(tmp_path, monkeypatch):

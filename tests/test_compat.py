@@ -37,20 +37,6 @@ def test_anything_but_one_flat_entry_per_position_goes_to_trls_parser():
     assert trl_internals.read_flat_logprobs([_request(None)]) == (None, None)
 
 
-def test_installed_reader_is_what_trl_calls_and_trls_own_stays_reachable():
-    import trl.generation.vllm_generation as vllm_generation
-
-    original = vllm_generation.extract_logprobs
-    try:
-        trl_internals.install_flat_logprob_reader()
-        trl_internals.install_flat_logprob_reader()  # twice: still one wrapper
-        assert vllm_generation.extract_logprobs is trl_internals.read_flat_logprobs
-        assert trl_internals.extract_logprobs.__module__ == trl_internals.__name__
-        assert trl_internals._trl_parser() is original
-    finally:
-        vllm_generation.extract_logprobs = original
-
-
 def _generation(mode="colocate", zero3=False, fsdp=None):
     return SimpleNamespace(
         mode=mode,
@@ -71,7 +57,9 @@ def _generation(mode="colocate", zero3=False, fsdp=None):
     ],
 )
 def test_weight_sync_is_batched_only_where_trls_tensors_outlive_its_iterator(generation, plan):
-    assert trl_internals.fast_sync_plan(generation) == plan
+    from colocated_grpo.compat.grpo_trainer import fast_sync_plan
+
+    assert fast_sync_plan(generation) == plan
 
 
 def test_colocated_engines_get_the_extra_arguments_over_trls_own(monkeypatch):

@@ -1,9 +1,12 @@
-"""The vLLM importance-sampling ratio from the training forward (compat.trl.OneForward, placement.one_forward) gives
-the loss and the sampling/* metrics of TRL's own path, in every importance-sampling mode, with one forward fewer per
-generation; off-policy settings keep TRL's path; and every place where our code stands in for TRL's runs TRL's own
-code once TRL's source is not the one it was written for."""
+"""The vLLM importance-sampling ratio from the training forward (compat.grpo_trainer.ColocatedGRPOTrainer,
+placement.one_forward) gives the loss and the sampling/* metrics of TRL's own path, in every importance-sampling mode,
+with one forward fewer per generation and TRL's buffered micro-batches left as TRL made them; off-policy settings keep
+TRL's path; no method of the built trainer is replaced on the instance; and every place where our code stands in for
+TRL's runs TRL's own code, with a WARNING, once TRL's source (or a subclass of ours) is not the one it was written
+for."""
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -13,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.compat import grpo_trainer as grpo
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "is_ratio_paths.py"
 EPS32 = torch.finfo(torch.float32).eps
@@ -61,23 +64,50 @@ def test_every_importance_sampling_mode_gives_trls_loss_with_one_forward_fewer(b
     assert any(abs(a - b) > loss_bound for other in others for a, b in zip(other, trl["losses"], strict=True))
 
     # TRL's sampling/* metrics: one value per generation, the same meaning and value on both paths
-    assert set(ours["metrics"]) == set(trl["metrics"]) == set(trl_internals.IS_RATIO_METRICS)
+    assert set(ours["metrics"]) == set(trl["metrics"]) == set(grpo.IS_RATIO_METRICS)
     for name, values in trl["metrics"].items():
         bound = delta if "logp_difference" in name else ratio_bound
         assert len(ours["metrics"][name]) == len(values) == 1
         assert abs(ours["metrics"][name][0] - values[0]) <= bound + 4 * EPS32 * max(1.0, abs(values[0])), name
 
 
-def _trainer(**args):
+def test_no_method_of_the_built_trainer_is_replaced_on_the_instance(both_paths):
+    """The real trainer, its callbacks added (telemetry and the profiler too): TRL's methods are overridden in our
+    classes, none is shadowed by an instance attribute, on the trainer or on its engine wrapper."""
+    assert both_paths["replaced"] == {"ColocatedGRPOTrainer": [], "ColocatedVLLMGeneration": []}
+
+
+def _args(**args):
     defaults = dict(
         use_vllm=True,
+        vllm_mode="server",  # no engine here to reseed
         vllm_importance_sampling_correction=True,
         num_iterations=1,
         gradient_accumulation_steps=4,
         steps_per_generation=2,
         use_liger_kernel=False,
     )
-    return SimpleNamespace(args=SimpleNamespace(**{**defaults, **args}))
+    return SimpleNamespace(**{**defaults, **args})
+
+
+@pytest.fixture
+def build(monkeypatch):
+    """Our trainer over a stand-in for TRL's __init__ (no model, no engine): its decisions and its overrides alone."""
+    from trl import GRPOTrainer
+
+    def init(self, *, args, generation=None):
+        self.args = args
+        if generation is not None:
+            self.vllm_generation = generation
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", init)
+
+    def build(cls=grpo.ColocatedGRPOTrainer, generation=None, flat_logprobs=False, **args):
+        sync = 2**30 if generation is not None else None
+        kwargs = dict(seed=0, flat_logprobs=flat_logprobs, sync_chunk_bytes=sync, one_forward=True)
+        return cls(args=_args(**args), generation=generation, **kwargs)
+
+    return build
 
 
 @pytest.mark.parametrize(
@@ -93,14 +123,16 @@ def _trainer(**args):
         ({"use_vllm": False}, "no extra forward to save"),
     ],
 )
-def test_only_on_policy_training_takes_the_ratio_from_the_training_forward(args, why):
-    trainer = _trainer(**args)
-    found = trl_internals.one_forward_plan(trainer)
-    assert found is None if why is None else why in found
-    if why is not None:
-        line = trl_internals.install_one_forward(trainer)
-        assert line.startswith("importance-sampling ratio: TRL's extra forward (") and why in line
-        assert not hasattr(trainer, "_compute_loss"), "nothing installed"
+def test_only_on_policy_training_takes_the_ratio_from_the_training_forward(build, caplog, args, why):
+    with caplog.at_level(logging.INFO, logger=grpo.__name__):
+        trainer = build(**args)
+    [record] = caplog.records
+    assert trainer.one_forward is (why is None)
+    if why is None:
+        assert record.getMessage().startswith("importance-sampling ratio: from the training forward")
+    else:
+        assert record.getMessage().startswith("importance-sampling ratio: TRL's extra forward (")
+        assert why in record.getMessage() and record.levelno == logging.INFO
 
 
 def test_the_ratio_of_each_mode():
@@ -108,7 +140,7 @@ def test_the_ratio_of_each_mode():
     sampling = torch.tensor([[-1.5, -2.0, float("nan")], [-0.5, -1.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     token = torch.tensor([[math.exp(0.5), 1.0, 1.0], [math.exp(-0.5), 1.0, 1.0]])  # NaN and padding: no difference
-    ratio = trl_internals.vllm_is_ratio
+    ratio = grpo.vllm_is_ratio
     assert torch.allclose(ratio(logps, sampling, mask, "token_truncate", None, 1.5), token.clamp(max=1.5))
     outside = (token < 0.7) | (token > 1.5)
     assert torch.allclose(ratio(logps, sampling, mask, "token_mask", 0.7, 1.5), token.masked_fill(outside, 0.0))
@@ -124,8 +156,12 @@ def test_the_ratio_of_each_mode():
 
 def test_each_replacement_was_written_for_the_installed_trl():
     """CI installs trl 1.16.0: every replacement must take effect there, or its speed would silently be lost."""
-    for replacement in trl_internals.WRITTEN_FOR:
-        assert trl_internals.upstream_mismatch(replacement) is None, replacement
+    for replacement in grpo.WRITTEN_FOR:
+        assert grpo.upstream_mismatch(replacement) is None, replacement
+    assert grpo.upstream_mismatch("batched weight sync", grpo.ColocatedVLLMGeneration) is None
+    assert (
+        grpo.upstream_mismatch("importance-sampling ratio from the training forward", grpo.ColocatedGRPOTrainer) is None
+    )
 
 
 @pytest.fixture
@@ -133,42 +169,126 @@ def changed_reference(monkeypatch):
     """WRITTEN_FOR as if each replacement had been written for a TRL whose first function read differently."""
 
     def change(replacement: str) -> str:
-        targets = dict(trl_internals.WRITTEN_FOR[replacement])
+        targets = dict(grpo.WRITTEN_FOR[replacement])
         first = next(iter(targets))
         targets[first] = "000000000000"
-        monkeypatch.setitem(trl_internals.WRITTEN_FOR, replacement, targets)
+        monkeypatch.setitem(grpo.WRITTEN_FOR, replacement, targets)
         return first.partition(":")[2]
 
     return change
 
 
-def test_a_changed_log_prob_parser_keeps_trls_own(changed_reference):
+def _warning(caplog, *parts):
+    [record] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.levelno == logging.WARNING
+    for part in parts:
+        assert part in record.getMessage(), (part, record.getMessage())
+
+
+def test_the_flat_reader_is_what_trl_calls_once_and_a_changed_parser_keeps_trls_own(build, changed_reference, caplog):
     import trl.generation.vllm_generation as vllm_generation
 
+    from colocated_grpo.compat import trl as trl_internals
+
+    original = vllm_generation.extract_logprobs
+    try:
+        build(flat_logprobs=True)
+        build(flat_logprobs=True)  # twice: still one replacement, TRL's own reachable
+        assert vllm_generation.extract_logprobs is trl_internals.read_flat_logprobs
+        assert trl_internals._trl_parser() is original
+    finally:
+        vllm_generation.extract_logprobs = original
     name = changed_reference("flat log-prob reader")
-    before = vllm_generation.extract_logprobs
-    line = trl_internals.install_flat_logprob_reader()
-    assert line.startswith("flat log-prob reader: TRL's own code runs: written for trl 1.16.0") and name in line
-    assert vllm_generation.extract_logprobs is before
+    build(flat_logprobs=True)
+    _warning(caplog, "flat log-prob reader: TRL's own code runs: written for trl 1.16.0", name, "slower generation")
+    assert vllm_generation.extract_logprobs is original
 
 
-def test_a_changed_weight_sync_keeps_trls_own(changed_reference):
-    from accelerate.utils import DistributedType  # noqa: F401 - the plan reads accelerate's PEFT check
+def _generation():
+    """TRL's engine wrapper, as its __init__ leaves it for one DDP process, without an engine."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    generation = VLLMGeneration.__new__(VLLMGeneration)
+    generation.mode, generation.model = "colocate", torch.nn.Linear(2, 2)
+    generation._dist = SimpleNamespace(is_zero3=False, fsdp_version=None)
+    return generation
+
+
+def test_a_changed_weight_sync_warns_and_runs_trls_own(build, changed_reference, caplog, monkeypatch):
+    from trl.generation.vllm_generation import VLLMGeneration
 
     name = changed_reference("batched weight sync")
-    model = torch.nn.Linear(2, 2)
-    generation = SimpleNamespace(
-        mode="colocate", _iter_named_params=None, _dist=SimpleNamespace(is_zero3=False, fsdp_version=None), model=model
+    trainer = build(generation=_generation())
+    _warning(caplog, "weight sync: batched weight sync: TRL's own code runs", name, "0.27 s instead of 0.02 s")
+    sync_calls = []
+    monkeypatch.setattr(VLLMGeneration, "sync_weights", lambda self: sync_calls.append("TRL's"))
+    assert type(trainer.vllm_generation) is grpo.ColocatedVLLMGeneration
+    trainer.vllm_generation.sync_weights()
+    assert sync_calls == ["TRL's"]
+
+
+class _OwnLoss(grpo.ColocatedGRPOTrainer):
+    """A user's subclass of ours that overrides a method our ratio relies on."""
+
+    def _compute_loss(self, model, inputs):
+        return super()._compute_loss(model, inputs)
+
+
+def _micro_batch():
+    return {
+        "sampling_per_token_logps": torch.tensor([[-1.0, -2.0]]),
+        "completion_mask": torch.tensor([[1.0, 1.0]]),
+    }
+
+
+def _run_a_micro_batch(trainer, monkeypatch) -> tuple[list, dict]:
+    """One generation and one micro-batch's loss through `trainer`, over stand-ins for TRL's methods that record what
+    TRL's own code would see: the correction flag at generation, the micro-batch dict at the loss."""
+    from trl import GRPOTrainer
+
+    seen, batch = [], _micro_batch()
+
+    def forward(self, model, *args, **kwargs):
+        return torch.tensor([[-1.5, -2.0]]), None, None
+
+    def loss(self, model, inputs):
+        seen.append(inputs)
+        self._get_per_token_logps_and_entropies(model)
+        return inputs.get("importance_sampling_ratio")
+
+    monkeypatch.setattr(
+        GRPOTrainer,
+        "_generate_and_score_completions",
+        lambda self, b: seen.append(self.vllm_importance_sampling_correction),
     )
-    sync = generation.sync_weights = object()
-    line = trl_internals.install_fast_sync(SimpleNamespace(vllm_generation=generation), 2**30)
-    assert line.startswith("weight sync: batched weight sync: TRL's own code runs") and name in line
-    assert generation.sync_weights is sync
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", loss)
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", forward)
+    trainer.model = SimpleNamespace(training=True)
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min = "token_truncate", None
+    trainer.vllm_importance_sampling_clip_max = 3.0
+    trainer._generate_and_score_completions({})
+    trainer._compute_loss(None, batch)
+    return seen, batch
 
 
-def test_a_changed_trainer_keeps_trls_extra_forward(changed_reference):
-    name = changed_reference("importance-sampling ratio from the training forward")
-    trainer = _trainer()
-    line = trl_internals.install_one_forward(trainer)
-    assert "TRL's own code runs: written for trl 1.16.0" in line and name in line
-    assert not hasattr(trainer, "_compute_loss"), "nothing installed"
+def test_our_ratio_goes_into_a_copy_of_trls_micro_batch(build, monkeypatch):
+    seen, batch = _run_a_micro_batch(build(), monkeypatch)
+    assert seen[0] is False, "TRL generated with the correction off: no extra forward"
+    assert seen[1] is not batch and "importance_sampling_ratio" in seen[1]
+    assert torch.allclose(seen[1]["importance_sampling_ratio"], torch.tensor([[math.exp(-0.5), 1.0]]))
+    assert set(batch) == set(_micro_batch()), "TRL's buffered micro-batch is left as TRL made it"
+
+
+@pytest.mark.parametrize("how", ["TRL changed", "a subclass of ours"])
+def test_a_changed_trainer_warns_and_runs_trls_extra_forward(build, changed_reference, caplog, monkeypatch, how):
+    if how == "TRL changed":
+        name = changed_reference("importance-sampling ratio from the training forward")
+        trainer = build()
+    else:
+        trainer, name = build(_OwnLoss), "_OwnLoss._compute_loss"
+    _warning(caplog, "TRL's own code runs: written for trl 1.16.0", name, "TRL's extra no-grad forward")
+    assert not trainer.one_forward
+    seen, batch = _run_a_micro_batch(trainer, monkeypatch)
+    assert seen[0] is True and seen[1] is batch, "TRL's own path: the correction on, TRL's micro-batch as is"
+    assert "importance_sampling_ratio" not in batch

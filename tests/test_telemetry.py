@@ -56,11 +56,15 @@ def test_nested_phases_go_to_the_innermost_and_add_up_to_the_step():
     assert all(a.end == b.start for a, b in itertools.pairwise(step.segments))
 
 
-def test_sleep_mode_engine_calls_are_timed_as_sleep_wake_inside_generate():
-    """The phase hooks wrap the colocated engine's sleep/wake_up only in sleep mode; their time leaves generate."""
+def test_trls_generation_weight_sync_and_sleep_mode_engine_calls_are_timed_in_their_phases(monkeypatch):
+    """TimedGRPOTrainer times TRL's _generate, its engine wrapper's sync_weights inside it, and the colocated engine's
+    sleep/wake_up (sleep mode only), whose time leaves generate; generated tokens are counted."""
     from types import SimpleNamespace
 
-    from colocated_grpo.compat.trl import install_phase_hooks as install
+    from trl import GRPOTrainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from colocated_grpo.compat.grpo_trainer import TimedGRPOTrainer, TimedVLLMGeneration
     from colocated_grpo.telemetry.phases import TokenCounter
 
     clock = FakeClock()
@@ -72,42 +76,50 @@ def test_sleep_mode_engine_calls_are_timed_as_sleep_wake_inside_generate():
 
         return call
 
-    llm = SimpleNamespace(sleep=advance(0.5), wake_up=advance(0.25))
-    generation = SimpleNamespace(sync_weights=advance(1), llm=llm, enable_sleep_mode=True)
-
-    def generate(*args):
-        generation.llm.wake_up(tags=["kv_cache"])
+    def generate(self, prompts):  # TRL's _generate, as far as the engine goes
+        self.vllm_generation.sync_weights()
+        self.vllm_generation.llm.wake_up(tags=["kv_cache"])
         clock.t += 2
-        generation.llm.sleep(level=2)
+        self.vllm_generation.llm.sleep(level=2)
         return [[1, 2]], [[3, 4, 5]]
 
-    trainer = SimpleNamespace(
-        training_step=advance(0),
-        _prepare_inputs=advance(0),
-        _generate=generate,
-        _calculate_rewards=advance(0),
-        vllm_generation=generation,
-    )
+    monkeypatch.setattr(GRPOTrainer, "_generate", generate)
+    monkeypatch.setattr(VLLMGeneration, "sync_weights", advance(1))
+
+    def trainer(sleep_mode: bool, llm):
+        built = TimedGRPOTrainer.__new__(TimedGRPOTrainer)  # no model, no engine: the timing overrides alone
+        built.vllm_generation = TimedVLLMGeneration.__new__(TimedVLLMGeneration)
+        built.vllm_generation.llm, built.vllm_generation.enable_sleep_mode = llm, sleep_mode
+        return built
+
+    llm = SimpleNamespace(sleep=advance(0.5), wake_up=advance(0.25))
+    asleep = trainer(True, llm)
     tracker, tokens = PhaseTracker(clock=clock), TokenCounter()
-    install(trainer, tracker, tokens)
+    asleep.time_phases(tracker, tokens)
     tracker.begin_step()
-    trainer._generate()
+    asleep._generate(["a prompt"])
     d = tracker.end_step().durations()
-    assert d["generate"] == 2 and d["sleep_wake"] == 0.75
+    assert (d["generate"], d["sync_weights"], d["sleep_wake"]) == (2, 1, 0.75)
     assert tokens.reset() == (2, 3)
 
     awake = SimpleNamespace(sleep=llm.sleep, wake_up=llm.wake_up)
-    install(
-        SimpleNamespace(
-            **{
-                **vars(trainer),
-                "vllm_generation": SimpleNamespace(sync_weights=advance(1), llm=awake, enable_sleep_mode=False),
-            }
-        ),
-        tracker,
-        tokens,
-    )
+    trainer(False, awake).time_phases(tracker, tokens)
     assert awake.sleep is llm.sleep  # sleep mode off: the engine is left alone
+
+
+def test_a_trl_without_a_timed_method_is_said_at_start(monkeypatch, caplog):
+    """Another TRL that renamed a method the timings override: the run says which phases read 0."""
+    from trl import GRPOTrainer
+
+    from colocated_grpo.compat.grpo_trainer import TimedGRPOTrainer
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self: None)  # no model, no engine
+    TimedGRPOTrainer()
+    assert not caplog.records
+    monkeypatch.delattr(GRPOTrainer, "_calculate_rewards")
+    TimedGRPOTrainer()
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "has no _calculate_rewards; those phases read 0" in record.getMessage()
 
 
 def test_barrier_runs_at_every_edge_and_its_cost_is_counted():

@@ -25,7 +25,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.compat.grpo_trainer import fast_sync_plan
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 from colocated_grpo.run_files import read_jsonl
@@ -94,8 +94,8 @@ def test_an_adapter_model_keeps_trls_own_weight_sync():
     model = peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     dist = SimpleNamespace(is_zero3=False, fsdp_version=None)
     plain = SimpleNamespace(mode="colocate", _iter_named_params=lambda: iter(()), _dist=dist, model=Tiny())
-    assert trl_internals.fast_sync_plan(plain) == "one_call"
-    assert trl_internals.fast_sync_plan(SimpleNamespace(**{**vars(plain), "model": model})) is None
+    assert fast_sync_plan(plain) == "one_call"
+    assert fast_sync_plan(SimpleNamespace(**{**vars(plain), "model": model})) is None
 
 
 # --------------------------------------------------------------------------------------------------- real runs

@@ -17,7 +17,7 @@ from conftest import (
     start_own_session,
 )
 
-from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.compat.grpo_trainer import IS_RATIO_METRICS
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 
@@ -221,7 +221,7 @@ def test_bad_config_fails_before_loading_anything_recorded_in_run_json_without_s
 
 # TRL's sampling metrics are functions of the engine's sampled log-probs (beside the trainer's own, which depend
 # only on the tokens): equal metrics mean equal sampled log-probs, and equal importance-sampling ratios.
-SAMPLING_LOGP_METRICS = trl_internals.IS_RATIO_METRICS
+SAMPLING_LOGP_METRICS = IS_RATIO_METRICS
 
 
 def _assert_same_rollouts_and_training(fast, plain):

@@ -1,12 +1,13 @@
-"""Plain TRL: the workload of one of our runs handed to an unmodified TRL `GRPOTrainer`, built the way TRL's
+"""Plain TRL: the workload of one of our runs handed to TRL's own `GRPOTrainer` code, built the way TRL's
 documentation shows it, so that a study can set what a user would write instead beside our runs.
 
 The config is composed from the same `conf/` and the workload built by the same builders as ours (model files,
 dataset with its prompts fitted, rewards, `trl.GRPOConfig`: lengths, batch, memory share, learning rate, seed,
 gradient checkpointing), with `placement.fast_outputs=false` so that none of our engine-request changes reach
-GRPOConfig. None of our changes to TRL is installed (no `compat.trl.install_*`, no `reseed_generation`). It records
-with the instruments our runs use (telemetry.callback: phase timings with the same CUDA syncs, NVML samples,
-tokens/s) into the same run files, plus config.yaml and run.json (`kind: plain_trl`), so one table reads both.
+GRPOConfig. It runs `compat.grpo_trainer.TimedGRPOTrainer`, whose overrides only time TRL's steps and call TRL's
+own, not our `ColocatedGRPOTrainer`: none of our changes to TRL. It records with the instruments our runs use
+(telemetry.callback: phase timings with the same CUDA syncs, NVML samples, tokens/s) into the same run files, plus
+config.yaml and run.json (`kind: plain_trl`), so one table reads both.
 
     torchrun --nproc_per_node=1 src/colocated_grpo/bench/plain_trl.py +experiment=gpu_smoke hydra.run.dir=DIR
     python train.py -m hydra.launcher.script=src/colocated_grpo/bench/plain_trl.py +experiment=gpu_smoke …
@@ -92,8 +93,7 @@ def workload(cfg: DictConfig, run_dir: Path):
 
 
 def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
-    from trl import GRPOTrainer
-
+    from colocated_grpo.compat.grpo_trainer import TimedGRPOTrainer
     from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
     from colocated_grpo.training import build, models, rewards
 
@@ -106,8 +106,8 @@ def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
     build.prepare_environment(cfg)
     reward_funcs, _ = rewards.build(cfg.reward, check_finite=False)
 
-    # TRL as its documentation shows it (GRPOConfig came from preflight: use_vllm=True, vllm_mode="colocate", …)
-    trainer = GRPOTrainer(
+    # TRL as its documentation shows it (GRPOConfig came from preflight: use_vllm=True, vllm_mode="colocate", …), timed
+    trainer = TimedGRPOTrainer(
         model=models.resolve(cfg.model),
         reward_funcs=reward_funcs,
         args=prepared.args,

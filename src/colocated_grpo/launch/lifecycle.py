@@ -130,16 +130,57 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     resume_command = attempts.resume_command(run_dir)  # before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE
     build.prepare_environment(cfg)
 
-    with _recorded(cfg, run_dir, rank0, world, prepared, resume, resume_command) as training:
-        trainer = build.build_trainer(cfg, run_dir, prepared)
-        training.built(trainer)
-        build.add_callbacks(trainer, cfg, run_dir, training.stopper)
-        if training.stopper.signum is None:  # no SIGTERM or Ctrl-C came while the model and the engine loaded
-            checkpoint = resume.checkpoint
-            trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
-
+    # Training and its bookkeeping: run.json (this attempt, its status and error), W&B, SIGTERM and Ctrl-C, the process
+    # group. A signal ends the run with TrainingInterrupted, a run that trained no step with NothingTrained, a full
+    # disk with DiskFull, a GPU out of memory in training with TrainingMemoryError.
+    record, wandb_run = _start_record(cfg, run_dir, rank0, world, prepared, resume)
+    stopper, trainer = preemption.StopOnSignal(), None
+    status, exit_code, error, interrupted = "failed", 1, None, None
+    try:
+        with stopper.installed():
+            trainer = build.build_trainer(cfg, run_dir, prepared)
+            record.note(distributed_type=trainer.accelerator.distributed_type.value)  # accelerate's word for it
+            if (engine := trl_internals.engine_config(trainer)) is not None:  # eager: without torch.compile
+                record.note(vllm_enforce_eager=bool(engine.model_config.enforce_eager))
+            build.add_callbacks(trainer, cfg, run_dir, stopper)
+            if stopper.signum is None:  # no SIGTERM or Ctrl-C came while the model and the engine loaded
+                checkpoint = resume.checkpoint
+                trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
+        interrupted = attempts.interruption(stopper, trainer.state, run_dir, resume_command)
+        if interrupted is None and trainer.state.global_step == 0:
+            raise NothingTrained(
+                "training ended without training a step: the dataset holds fewer prompts than one generation batch "
+                "(trainer.per_device_train_batch_size × processes × steps_per_generation / trainer.num_generations); "
+                "use more rows (data.num_samples for the synthetic data) or a smaller batch"
+            )
+        status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (signals.run_main)
+        status, exit_code = "interrupted", getattr(stop, "code", 130)
+        raise
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
+        error = _explain_disk_full(exc, run_dir, rank0) or _explain_out_of_memory(exc, cfg, trainer) or exc
+        if error is not exc:
+            raise error from exc
+        raise
+    finally:
+        signals.ending()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
+        # Each part of the ending runs whatever another raised. A failure there is logged; it fails a run that
+        # had finished (run.json and the exit say so), while an error that ended training stays the one reported.
+        ending_failed: list[Exception] = []
+        if wandb_run is not None:
+            _ending_part("W&B's finish", lambda: wandb_run.finish(exit_code=exit_code), ending_failed)
+        if ending_failed and status == "finished":
+            status, error = "failed", ending_failed[0]
+        _ending_part("writing run.json", lambda: record.end(status, error), ending_failed)
+        _ending_part("closing the process group", _close_process_group, ending_failed)
+    if ending_failed and status != "interrupted":  # reached only when training itself ended without an error
+        raise ending_failed[0]
+    if interrupted is not None:
+        if rank0:
+            log.error("%s", interrupted)
+        raise interrupted
     if rank0:
-        log.info("%s", end_of_run_summary(run_dir, training.wandb_run))
+        log.info("%s", end_of_run_summary(run_dir, wandb_run))
     return run_dir
 
 
@@ -157,37 +198,9 @@ def _refusals_recorded(run_dir: Path, main: bool):
         raise
 
 
-class _Training:
-    """What the training block and its bookkeeping share: run record, signal handler, W&B run, trainer once built."""
-
-    def __init__(self, record: attempts.RunRecord, wandb_run):
-        self.record, self.wandb_run = record, wandb_run
-        self.stopper = preemption.StopOnSignal()
-        self.trainer = None
-
-    def built(self, trainer) -> None:
-        """Keep the trainer (its state says how training ended); run.json notes how it runs."""
-        self.trainer = trainer
-        # accelerate's own word for the parallelism it set up (FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU, NO)
-        self.record.note(distributed_type=trainer.accelerator.distributed_type.value)
-        if (engine := trl_internals.engine_config(trainer)) is not None:  # eager: without torch.compile
-            self.record.note(vllm_enforce_eager=bool(engine.model_config.enforce_eager))
-
-
-@contextmanager
-def _recorded(
-    cfg: DictConfig,
-    run_dir: Path,
-    main: bool,
-    world: int,
-    prepared: preflight.Prepared,
-    resume: checkpoints.Resume,
-    resume_command: str,
-):
-    """The bookkeeping around training: the run directory held, run.json (this attempt, its status and error), the
-    W&B run started and finished, SIGTERM and Ctrl-C handled, the process group closed. A signal ends the run with
-    TrainingInterrupted, a run that trained no step with NothingTrained, a full disk with DiskFull, a GPU out of
-    memory in training with TrainingMemoryError."""
+def _start_record(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepared: preflight.Prepared, resume):
+    """The run directory held, run.json's attempt started, the W&B run started: returns run.json's record and the
+    W&B run."""
     if main:  # already held when Hydra started this process (resilience/run_dir_guard.py); held until it ends
         run_dir_guard.claim(run_dir)
     metadata = {
@@ -206,47 +219,7 @@ def _recorded(
         wandb_run, wandb_outcome = wandb_logging.start(cfg, run_dir, metadata, resume) if main else (None, None)
     # W&B's mode asked for and used (offline when its server did not answer); the prompts' lengths and what was cut
     record.start(wandb_run, wandb=wandb_outcome, prompts=prepared.prompts)
-
-    training = _Training(record, wandb_run)
-    stopper = training.stopper
-    status, exit_code, error, interrupted = "failed", 1, None, None
-    try:
-        with stopper.installed():
-            yield training
-        state = training.trainer.state
-        interrupted = attempts.interruption(stopper, state, run_dir, resume_command)
-        if interrupted is None and state.global_step == 0:
-            raise NothingTrained(
-                "training ended without training a step: the dataset holds fewer prompts than one generation batch "
-                "(trainer.per_device_train_batch_size × processes × steps_per_generation / trainer.num_generations); "
-                "use more rows (data.num_samples for the synthetic data) or a smaller batch"
-            )
-        status, exit_code = ("interrupted", interrupted.code) if interrupted else ("finished", 0)
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM in start-up (signals.run_main)
-        status, exit_code = "interrupted", getattr(stop, "code", 130)
-        raise
-    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
-        error = _explain_disk_full(exc, run_dir, main) or _explain_out_of_memory(exc, cfg, training.trainer) or exc
-        if error is not exc:
-            raise error from exc
-        raise
-    finally:
-        signals.ending()  # the runner's own handler is gone; start-up's would mislabel a SIGTERM now
-        # Each part of the ending runs whatever another raised. A failure there is logged; it fails a run that
-        # had finished (run.json and the exit say so), while an error that ended training stays the one reported.
-        ending_failed: list[Exception] = []
-        if wandb_run is not None:
-            _ending_part("W&B's finish", lambda: wandb_run.finish(exit_code=exit_code), ending_failed)
-        if ending_failed and status == "finished":
-            status, error = "failed", ending_failed[0]
-        _ending_part("writing run.json", lambda: record.end(status, error), ending_failed)
-        _ending_part("closing the process group", _close_process_group, ending_failed)
-    if ending_failed and status != "interrupted":  # reached only when training itself ended without an error
-        raise ending_failed[0]
-    if interrupted is not None:
-        if main:
-            log.error("%s", interrupted)
-        raise interrupted
+    return record, wandb_run
 
 
 def end_of_run_summary(run_dir: Path, wandb_run=None) -> str:

@@ -88,7 +88,7 @@ class TelemetryCallback(TrainerCallback):
         self.cuda = torch.cuda.is_available()
         self.tracker = PhaseTracker(barrier=torch.cuda.synchronize if (self.cuda and sync_cuda) else None)
         self.tokens = TokenCounter()
-        trl_internals.install_phase_hooks(trainer, self.tracker, self.tokens)
+        trainer.time_phases(self.tracker, self.tokens)  # compat.grpo_trainer.TimedGRPOTrainer and its subclasses
         self.sampler: nvml.GpuSampler | None = None
         self.samples_writer: JsonlWriter | None = None
         self.phases_writer: JsonlWriter | None = None

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 DIRECTORY = "profile"
 LABEL = "phase:"
-# TRL's methods whose calls mark a phase, outermost first (each runs inside the one before).
-MARKED = (("train", "training_step"), ("other", "_prepare_inputs"), ("generate", "_generate"))
+# The phases whose calls run in profiler ranges (TimedGRPOTrainer.profile_label), outermost first: TRL's
+# training_step, _prepare_inputs and _generate, each running inside the one before.
+MARKED = ("train", "other", "generate")
 OUTSIDE = "outside the phases"
 TOP_OPS = 12
 IDLE_GAP_US = 1000.0  # the GPU idle between two kernels for longer than this counts as waiting for the host
@@ -32,8 +33,7 @@ class ProfileStep(TrainerCallback):
     def __init__(self, trainer, run_dir: Path, step: int, main: bool):
         self.step, self.dir, self.main = step, Path(run_dir) / DIRECTORY, main
         self.profiler = None
-        for phase, method in MARKED:
-            _label(trainer, method, phase)
+        trainer.profile_label = LABEL  # compat.grpo_trainer.TimedGRPOTrainer and its subclasses
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step + 1 != self.step:
@@ -65,22 +65,6 @@ class ProfileStep(TrainerCallback):
             if line.startswith("phase "):
                 log.info("profile of step %d: %s", self.step, line.removeprefix("phase "))
         log.info("profile of step %d: %s and %s.gz", self.step, self.dir / f"step_{self.step}.txt", trace)
-
-
-def _label(trainer, method: str, phase: str) -> None:
-    """Each call of trainer.`method` runs inside a profiler range named phase:`phase` (a no-op when not profiling)."""
-    import functools
-
-    from torch.profiler import record_function
-
-    original = getattr(trainer, method)
-
-    @functools.wraps(original)
-    def labelled(*args, **kwargs):
-        with record_function(LABEL + phase):
-            return original(*args, **kwargs)
-
-    setattr(trainer, method, labelled)
 
 
 def by_phase(events) -> dict[str, dict]:
@@ -133,7 +117,7 @@ def _merged_us(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
 def report(step: int, phases: dict[str, dict]) -> str:
     """The text of profile/step_K.txt: one `phase …` summary line per phase, then its top ops."""
     lines = [f"torch.profiler, step {step}: ops charged to the innermost phase that ran them (times in ms)", ""]
-    marked = [phase for phase, _ in MARKED[::-1]]
+    marked = list(MARKED[::-1])
     order = marked + [p for p in phases if p not in marked]
     for name in order:
         if name not in phases:

@@ -1,6 +1,6 @@
-"""What a trainer process is built from: cfg and the prepared data → TRL's GRPOTrainer with our changes to its
-engine (compat/trl.py), our callbacks in their order, the rollouts recorded; the rendezvous of a plain `python
-train.py`; the environment a CPU engine needs."""
+"""What a trainer process is built from: cfg and the prepared data → our GRPOTrainer (compat/grpo_trainer.py), our
+callbacks in their order, the rollouts recorded; the rendezvous of a plain `python train.py`; the environment a CPU
+engine needs."""
 
 from __future__ import annotations
 
@@ -26,37 +26,32 @@ log = logging.getLogger(__name__)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
-    """The model, the rewards and the prepared data → TRL's GRPOTrainer, with our changes to its engine; a memory
-    failure of vLLM's start-up is explained in terms of our config keys."""
-    from trl import GRPOTrainer
+    """The model, the rewards and the prepared data → our GRPOTrainer (compat/grpo_trainer.py: TRL's, with our
+    changes); a memory failure of vLLM's start-up is explained in terms of our config keys."""
+    from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer
 
     model_path = models.resolve(cfg.model)
     reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
     if is_main_process():
         reward_funcs[0] = _recording_rollouts(reward_funcs[0], run_dir)
-    args = prepared.args
+    args, placement = prepared.args, cfg.placement
     try:
-        trainer = GRPOTrainer(
+        trainer = ColocatedGRPOTrainer(
             model=model_path,
             reward_funcs=reward_funcs,
             args=args,
             train_dataset=prepared.dataset,
             peft_config=config.peft_config(cfg),  # the peft group: LoRA adapters, or None
+            seed=int(cfg.seed),
+            flat_logprobs=bool((args.generation_kwargs or {}).get("flat_logprobs")),  # fast_outputs, or the user's
+            sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
+            one_forward=bool(placement.get("one_forward")),
         )
     except Exception as exc:
         if (explained := startup_errors.explain_startup_error(exc, cfg)) is None:
             raise
         raise explained from exc
     checkpoints.quiet_tied_weights_on_resume(trainer.model)
-    placement = cfg.placement
-    for line in trl_internals.install_changes(
-        trainer,
-        seed=int(cfg.seed),
-        flat_logprobs=bool((args.generation_kwargs or {}).get("flat_logprobs")),  # fast_outputs, or the user's own
-        sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
-        one_forward=bool(placement.get("one_forward")),
-    ):
-        log.info("%s", line)
     return trainer
 
 

@@ -1,0 +1,446 @@
+"""Our GRPOTrainer: TRL's, with explicit overrides, read top-down in the order a step's data flows through them.
+TimedGRPOTrainer only times TRL's steps (the phases: docs/telemetry.md) and calls TRL's own code: the plain-TRL
+baseline runs it. ColocatedGRPOTrainer adds our changes: the engine's seed (trl#7040), the flat log-prob reader, the
+batched weight sync (ColocatedVLLMGeneration), the importance-sampling ratio from the training forward. Each change
+names the TRL methods it relies on with a digest of their source as written for trl 1.16.0 (`WRITTEN_FOR`), checked
+on the class that runs (a subclass of ours that overrides one is seen): where one differs, TRL's own code runs for
+that change and a WARNING names the speed lost."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import logging
+import math
+from contextlib import contextmanager, nullcontext
+
+import torch
+import trl
+from torch.profiler import record_function
+from trl import GRPOTrainer
+from trl.generation import vllm_generation
+from trl.generation.vllm_generation import VLLMGeneration
+
+from colocated_grpo.compat import trl as trl_internals
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------ the upstream guard
+
+WRITTEN_FOR_VERSION = "1.16.0"
+WRITTEN_FOR = {
+    "flat log-prob reader": {
+        "trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d",
+    },
+    "batched weight sync": {
+        "trl.generation.vllm_generation:VLLMGeneration.sync_weights": "63d669fb3230",
+        "trl.generation.vllm_generation:VLLMGeneration._iter_named_params": "baab615d5c7b",
+    },
+    "importance-sampling ratio from the training forward": {
+        "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions": "1fa48922792d",
+        "trl.trainer.grpo_trainer:GRPOTrainer._prepare_inputs": "f824e7fb0714",
+        "trl.trainer.grpo_trainer:GRPOTrainer.compute_loss": "a2d6ef8bd29c",
+        "trl.trainer.grpo_trainer:GRPOTrainer._compute_loss": "80295546bbdb",
+        "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies": "ea73c3909275",
+    },
+}
+# What TRL's own code costs where a change falls back to it (one H200, docs/results.md).
+SPEED_LOST = {
+    "flat log-prob reader": "slower generation: TRL's parser builds a dict per generated token",
+    "batched weight sync": "a slower weight sync: one load_weights call per tensor (0.27 s instead of 0.02 s for 1.5B)",
+    "importance-sampling ratio from the training forward": (
+        "a slower step: TRL's extra no-grad forward over each generation batch (0.69 s of a step at 256 completions)"
+    ),
+}
+
+
+def _running(target: str, cls: type | None) -> tuple[str, str | None]:
+    """The name and source of what runs for `module:Class.method`: on `cls` (a subclass of Class), the first
+    definition in its MRO that is not one of ours, which our overrides reach through super(); (name, None) where
+    it does not exist."""
+    module_name, _, qualname = target.partition(":")
+    path, _, name = qualname.rpartition(".")
+    try:
+        owner = importlib.import_module(module_name)
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        if cls is not None and isinstance(owner, type) and issubclass(cls, owner):
+            owner = next(k for k in cls.__mro__ if name in vars(k) and k.__module__ != __name__)
+            qualname = f"{owner.__qualname__}.{name}"
+        obj = getattr(owner, name)
+        return qualname, inspect.getsource(getattr(obj, "trl_original", obj))  # ours installed: TRL's own
+    except (ImportError, AttributeError, OSError, TypeError, StopIteration):
+        return qualname, None
+
+
+def upstream_mismatch(change: str, cls: type | None = None) -> str | None:
+    """None when every TRL method `change` relies on has the source it was written for (as `cls` runs it); else one
+    line saying that TRL's own code runs, why, and the speed lost."""
+    changed = []
+    for target, digest in WRITTEN_FOR[change].items():
+        name, source = _running(target, cls)
+        if source is None or hashlib.sha256(source.encode()).hexdigest()[:12] != digest:
+            changed.append(name)
+    if not changed:
+        return None
+    return (
+        f"{change}: TRL's own code runs: written for trl {WRITTEN_FOR_VERSION}, this is trl {trl.__version__} "
+        f"and {', '.join(changed)} changed; {SPEED_LOST[change]}"
+    )
+
+
+# ------------------------------------------------------------------------------------ timing only: TRL's behaviour
+
+
+def _in_phase(tracker, name: str):
+    return nullcontext() if tracker is None else tracker.phase(name)
+
+
+class TimedVLLMGeneration(VLLMGeneration):
+    """TRL's engine wrapper, its weight sync timed as the sync_weights phase."""
+
+    phase_tracker = None  # a telemetry.phases.PhaseTracker (TimedGRPOTrainer.time_phases)
+
+    def sync_weights(self):
+        with _in_phase(self.phase_tracker, "sync_weights"):
+            return super().sync_weights()
+
+
+class TimedGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer with its steps timed as phases and its generated tokens counted; each override times and
+    calls TRL's own. Phases nest: generate inside other (_prepare_inputs) inside train (training_step)."""
+
+    vllm_generation_class = TimedVLLMGeneration
+    phase_tracker = token_counter = None  # set by time_phases
+    profile_label = None  # telemetry.profile's prefix: train, other and generate then run in torch.profiler ranges
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if missing := [
+            n for n in ("_prepare_inputs", "_generate", "_calculate_rewards") if not hasattr(GRPOTrainer, n)
+        ]:
+            log.warning("phase timings: this TRL's GRPOTrainer has no %s; those phases read 0", ", ".join(missing))
+        if getattr(self, "vllm_generation", None) is not None:
+            # TRL 1.16 builds VLLMGeneration by name inside GRPOTrainer.__init__, with no factory to override: the
+            # built object takes our subclass (methods only, no state of its own)
+            self.vllm_generation.__class__ = self.vllm_generation_class
+
+    def time_phases(self, tracker, tokens) -> None:
+        """Time TRL's steps as phases of `tracker` and count generated tokens into `tokens` (telemetry.phases)."""
+        self.phase_tracker, self.token_counter = tracker, tokens
+        if (generation := getattr(self, "vllm_generation", None)) is None:
+            return
+        generation.phase_tracker = tracker
+        llm = getattr(generation, "llm", None)  # the in-process engine: colocate only
+        if llm is not None and generation.enable_sleep_mode:
+            # vLLM's LLM is built and called inside TRL's own VLLMGeneration methods: only its instance can be timed
+            for name in ("sleep", "wake_up"):
+                setattr(llm, name, _timed(getattr(llm, name), tracker, "sleep_wake"))
+
+    @contextmanager
+    def _phase(self, name: str, labelled: bool = False):
+        label = record_function(self.profile_label + name) if labelled and self.profile_label else nullcontext()
+        with label, _in_phase(self.phase_tracker, name):
+            yield
+
+    def training_step(self, *args, **kwargs):
+        with self._phase("train", labelled=True):
+            return super().training_step(*args, **kwargs)
+
+    def _prepare_inputs(self, *args, **kwargs):
+        with self._phase("other", labelled=True):
+            return super()._prepare_inputs(*args, **kwargs)
+
+    def _generate(self, *args, **kwargs):
+        with self._phase("generate", labelled=True):
+            result = super()._generate(*args, **kwargs)
+        if self.token_counter is not None:
+            self.token_counter.prompt += sum(len(ids) for ids in result[0])
+            self.token_counter.completion += sum(len(ids) for ids in result[1])
+        return result
+
+    def _calculate_rewards(self, *args, **kwargs):
+        with self._phase("reward"):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def _clip_grad_norm(self, *args, **kwargs):
+        with self._phase("train"):
+            return super()._clip_grad_norm(*args, **kwargs)
+
+
+def _timed(call, tracker, phase: str):
+    def timed(*args, **kwargs):
+        with tracker.phase(phase):
+            return call(*args, **kwargs)
+
+    return timed
+
+
+# ------------------------------------------------------------------------------------------------ our changes
+#
+# Weight sync: TRL's VLLMGeneration.sync_weights calls the engine model's `load_weights([(name, tensor)])` once per
+# tensor, and each call walks every module of the model: tensors × modules of Python work per sync. The same tensors
+# in one call (or a few, where FSDP2 gathers them) land the same weights in a fraction of the time.
+
+
+def fast_sync_plan(generation) -> str | None:
+    """How the colocated weight sync can be batched: "one_call" (DDP, one process), "chunked" (FSDP2: full tensors
+    gathered one by one, loaded in chunks), or None to keep TRL's own sync: server mode, ZeRO-3 and FSDP1 (views valid
+    only inside a gather) and PEFT (adapters unmerged before a batched call would read the merged weights)."""
+    from accelerate.utils import is_peft_model
+
+    if getattr(generation, "mode", None) != "colocate" or not hasattr(generation, "_iter_named_params"):
+        return None
+    dist = getattr(generation, "_dist", None)
+    if dist is None or dist.is_zero3 or dist.fsdp_version == 1 or is_peft_model(generation.model):
+        return None
+    return "chunked" if dist.fsdp_version == 2 else "one_call"
+
+
+class ColocatedVLLMGeneration(TimedVLLMGeneration):
+    """The engine wrapper whose colocated sync loads the weights in one load_weights call, or one per chunk."""
+
+    batched_sync = False  # set by ColocatedGRPOTrainer where fast_sync_plan allows it
+    sync_chunk_bytes: int | None = None  # None: one call
+
+    def sync_weights(self):  # GRPOTrainer's sync before generation, and generate's re-sync of weights asleep
+        if not self.batched_sync:
+            return super().sync_weights()
+        with _in_phase(self.phase_tracker, "sync_weights"):
+            if self.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
+                vllm_generation.empty_cache()
+                self.llm.wake_up(tags=["weights"])
+                self._llm_weights_sleeping = False
+            load = self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights  # as TRL's
+            pending, size = [], 0
+            # TRL's own iterator: its name fixes, and FSDP2's full_tensor() gathers (collectives: every rank iterates)
+            for name, tensor in self._iter_named_params():
+                pending.append((name, tensor))
+                size += tensor.numel() * tensor.element_size()
+                if self.sync_chunk_bytes is not None and size >= self.sync_chunk_bytes:
+                    load(pending)
+                    pending, size = [], 0
+            if pending:
+                load(pending)
+            del pending  # FSDP2's gathered copies go before generation
+            self.llm.reset_prefix_cache()  # as TRL: cached KV was computed with the old weights
+
+
+# Importance-sampling ratio from the training forward: with vLLM's importance-sampling correction on (TRL's default),
+# GRPOTrainer runs a no-grad forward over the whole generation batch to get the "old" log-probs, even on-policy, where
+# they equal the detached log-probs of the training forward itself (trl#5412). On-policy, this computes TRL's ratio
+# exp(old - sampling), masked or truncated as the mode says, from the training forward of each micro-batch instead,
+# and logs TRL's sampling/* metrics over the same generation batch, so that one forward per micro-batch remains. Both
+# forwards compute the same log-probs up to the nondeterminism of a forward (kernels, reduction order); TRL's
+# clip_ratio/* metrics read 0 (the loss's own ratio is exactly 1); with dropout > 0 the two forwards differ, so the
+# ratio does too.
+
+IS_RATIO_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+
+
+def one_forward_plan(trainer) -> str | None:
+    """None where the ratio can come from the training forward; else why TRL's extra forward stays."""
+    args = trainer.args
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return "no vLLM importance-sampling correction, so no extra forward to save"
+    if args.num_iterations > 1:
+        return f"trainer.num_iterations={args.num_iterations} reuses a generation after an update (off-policy)"
+    if args.gradient_accumulation_steps % args.steps_per_generation:
+        return (
+            f"trainer.gradient_accumulation_steps={args.gradient_accumulation_steps} is not a multiple of "
+            f"steps_per_generation={args.steps_per_generation}: updates land inside a generation (off-policy)"
+        )
+    if args.use_liger_kernel:
+        # TRL 1.16 keeps its own log-prob forward under Liger (layer kernels only), but no run compared the paths
+        return "trainer.use_liger_kernel: Liger's layer kernels were not checked against TRL's ratio on this path"
+    return None
+
+
+def vllm_is_ratio(logps, sampling_logps, mask, mode: str, clip_min, clip_max):
+    """TRL's vLLM importance-sampling ratio (GRPOTrainer._generate_and_score_completions): exp(logps - sampling),
+    per token or summed per sequence, then truncated or masked to [clip_min, clip_max]. NaN sampling log-probs
+    (tokens vLLM could not score) count as no difference."""
+    diff = torch.nan_to_num((logps - sampling_logps) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode in ("sequence_mask", "token_mask"):
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}")
+
+
+class _GenerationStats:
+    """What TRL's sampling/* metrics summarise over one process's generation batch, gathered micro-batch by
+    micro-batch: |logps - sampling| over the scored completion tokens, and the ratio over completion tokens (token
+    modes) or sequences (sequence modes). Kept on the device: nothing waits for the GPU between a micro-batch's
+    forward and its backward; the values cross to the host once, when the generation batch is logged."""
+
+    # delta sum, delta count, delta max, ratio sum, ratio count, ratio min, ratio max
+    SUMS, MAXES, MINS = (0, 1, 3, 4), (2, 6), (5,)
+
+    def __init__(self):
+        self.totals = None
+        self.micro_batches = 0
+
+    def add(self, logps, sampling_logps, mask, ratio, per_sequence: bool) -> None:
+        delta = (logps - sampling_logps).abs()
+        scored = mask.bool() & ~delta.isnan()
+        counted = torch.ones_like(ratio, dtype=torch.bool) if per_sequence else mask.bool()
+        stats = torch.stack(
+            [
+                delta.masked_fill(~scored, 0.0).sum(),
+                scored.sum(),
+                delta.masked_fill(~scored, 0.0).max(),  # |delta| >= 0: an empty batch gives 0
+                ratio.masked_fill(~counted, 0.0).sum(),
+                counted.sum(),
+                ratio.masked_fill(~counted, math.inf).min(),
+                ratio.masked_fill(~counted, -math.inf).max(),
+            ]
+        ).float()
+        if self.totals is None:
+            self.totals = stats
+        else:
+            t = self.totals
+            t[list(self.SUMS)] += stats[list(self.SUMS)]
+            t[list(self.MAXES)] = torch.maximum(t[list(self.MAXES)], stats[list(self.MAXES)])
+            t[list(self.MINS)] = torch.minimum(t[list(self.MINS)], stats[list(self.MINS)])
+        self.micro_batches += 1
+
+    def per_process(self):
+        """The five values TRL computes on each process, in IS_RATIO_METRICS' order (0 where nothing counted), as
+        one tensor on the device."""
+        d_sum, d_n, d_max, r_sum, r_n, r_min, r_max = self.totals.unbind()
+        zero = torch.zeros_like(d_sum)
+        return torch.stack(
+            [
+                torch.where(d_n > 0, d_sum / d_n.clamp(min=1), zero),
+                d_max,
+                torch.where(r_n > 0, r_min, zero),
+                torch.where(r_n > 0, r_sum / r_n.clamp(min=1), zero),
+                torch.where(r_n > 0, r_max, zero),
+            ]
+        )
+
+
+class ColocatedGRPOTrainer(TimedGRPOTrainer):
+    """TimedGRPOTrainer with our changes, each on where it applies and TRL's source is the one it was written for;
+    one log line each says what runs."""
+
+    vllm_generation_class = ColocatedVLLMGeneration
+    one_forward = False  # the ratio from the training forward, where it applies
+    _pending: dict | None = None  # the micro-batch whose training forward is running
+
+    def __init__(self, *args, seed: int, flat_logprobs: bool, sync_chunk_bytes: int | None, one_forward: bool, **kw):
+        super().__init__(*args, **kw)
+        self._reseed_generation(seed)
+        if flat_logprobs and (why_not := upstream_mismatch("flat log-prob reader")):
+            log.warning("%s", why_not)
+        elif flat_logprobs and getattr(vllm_generation.extract_logprobs, "trl_original", None) is None:
+            # TRL calls extract_logprobs by its module's name inside VLLMGeneration.generate: the module is the seam
+            trl_internals.read_flat_logprobs.trl_original = vllm_generation.extract_logprobs
+            vllm_generation.extract_logprobs = trl_internals.read_flat_logprobs
+        if sync_chunk_bytes is not None:
+            self._batch_weight_sync(sync_chunk_bytes)
+        self.one_forward = one_forward and self._one_forward_applies()
+        self._stats = _GenerationStats()
+
+    def _reseed_generation(self, seed: int) -> None:
+        """Make the seed reach vLLM's sampling (trl#7040): TRL seeds the colocated engine with rank // tp, which
+        reseeds torch's global RNG, so every `seed` gave the same rollouts. Reseeded here after the engine exists, one
+        seed per data-parallel group (the ranks of one TP group must sample identically)."""
+        import numpy as np
+        from transformers import set_seed
+
+        if not (self.args.use_vllm and self.args.vllm_mode == "colocate"):
+            return
+        dp_rank = self.accelerator.process_index // self.args.vllm_tensor_parallel_size
+        set_seed(int(np.random.SeedSequence([seed, dp_rank]).generate_state(1)[0]))
+
+    def _batch_weight_sync(self, chunk_bytes: int) -> None:
+        generation = getattr(self, "vllm_generation", None)
+        how = fast_sync_plan(generation) if generation is not None else None
+        if how is None:
+            return log.info("weight sync: TRL's own (no batched sync for this backend)")
+        if why_not := upstream_mismatch("batched weight sync", type(generation)):
+            return log.warning("%s", f"weight sync: {why_not}")
+        generation.batched_sync = True
+        generation.sync_chunk_bytes = chunk_bytes if how == "chunked" else None
+        log.info(f"weight sync: {how}")
+
+    def _one_forward_applies(self) -> bool:
+        if why_not := one_forward_plan(self):
+            log.info(f"importance-sampling ratio: TRL's extra forward ({why_not})")
+            return False
+        if why_not := upstream_mismatch("importance-sampling ratio from the training forward", type(self)):
+            log.warning("%s", why_not)
+            return False
+        log.info(
+            "importance-sampling ratio: from the training forward (on-policy: TRL's extra no-grad forward skipped)"
+        )
+        return True
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        if not (self.one_forward and self.model.training):  # evaluation keeps TRL's path
+            return super()._generate_and_score_completions(*args, **kwargs)
+        self._stats = _GenerationStats()
+        # With the correction off, TRL computes no old log-probs on-policy and no ratio; the sampled log-probs stay
+        self.vllm_importance_sampling_correction = False
+        try:
+            return super()._generate_and_score_completions(*args, **kwargs)
+        finally:
+            self.vllm_importance_sampling_correction = True
+
+    def _compute_loss(self, model, inputs):
+        if (
+            self.one_forward
+            and self.model.training
+            and "importance_sampling_ratio" not in inputs
+            and inputs.get("sampling_per_token_logps") is not None
+        ):
+            inputs = self._pending = dict(inputs)  # TRL's buffered micro-batch stays as TRL made it
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._pending = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if (inputs := self._pending) is not None:  # the training forward of _compute_loss: its first call
+            self._pending = None
+            self._add_ratio(inputs, result[0].detach())
+        return result
+
+    def _add_ratio(self, inputs: dict, logps) -> None:
+        sampling = inputs["sampling_per_token_logps"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        mode = self.vllm_importance_sampling_mode
+        clip = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        ratio = vllm_is_ratio(logps, sampling, mask, mode, *clip)
+        inputs["importance_sampling_ratio"] = ratio  # read by TRL's _compute_loss after this forward
+        self._stats.add(logps, sampling, mask, ratio, per_sequence=mode.startswith("sequence"))
+        if self._stats.micro_batches == self.args.steps_per_generation:  # the generation batch is done
+            self._log_ratio_metrics(self._stats.per_process())
+
+    def _log_ratio_metrics(self, values) -> None:
+        """Gather each process's values (a tensor on its device) and reduce them as TRL does (mean of means, max of
+        maxes, …)."""
+        from trl.trainer.utils import nanmax, nanmin
+
+        gathered = self.accelerator.gather(values.to(self.accelerator.device).unsqueeze(0)).view(-1, values.numel())
+        reduce = (torch.mean, torch.max, nanmin, torch.nanmean, nanmax)
+        reduced = torch.stack([how(column) for how, column in zip(reduce, gathered.unbind(dim=1), strict=True)])
+        for name, value in zip(IS_RATIO_METRICS, reduced.tolist(), strict=True):  # one copy to the host
+            self._metrics["train"][name].append(value)
