@@ -4,6 +4,7 @@ log file, and stopping it stops everything it started (torchrun's workers, vLLM'
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -67,9 +68,14 @@ def torchrun_command(
     ]
 
 
-def start(cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life."""
+def start(
+    cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None, grace_s: float | None = None
+) -> subprocess.Popen:
+    """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life. A torchrun
+    in it gives its workers `grace_s` after a stop signal before it kills them (its default: 30 s; torch >= 2.12)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if grace_s is not None:
+        env = {**(os.environ if env is None else env), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(grace_s))}
     with open(log_path, "ab") as log:  # the child holds its own descriptor
         return subprocess.Popen(
             cmd,
@@ -88,7 +94,7 @@ def run(
 ) -> int:
     """Run `cmd` to the end (see `start`) and return its exit code. Whatever happens (Ctrl-C included), no process
     of it outlives this call: on an exception it is stopped with `first_signal` first."""
-    proc = start(cmd, log_path, env)
+    proc = start(cmd, log_path, env, grace_s=grace_s)
     try:
         return proc.wait()
     except BaseException:

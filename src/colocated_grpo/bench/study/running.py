@@ -127,5 +127,6 @@ def _run_logged(command: list[str], log: Path, label: str) -> None:
     print(f"{label}: {shlex.join(command)}", flush=True)
     t0 = time.monotonic()
     log.unlink(missing_ok=True)
-    code = processes.run(command, log, grace_s=60, first_signal=signal.SIGINT)  # a failed case is in its job.json
+    # the sweep gets its job's grace and time to record it; a failed case is in its job.json
+    code = processes.run(command, log, grace_s=definition.STOP_GRACE_S + 30, first_signal=signal.SIGINT)
     print(f"    exit {code} after {time.monotonic() - t0:.0f} s (log: {log})", flush=True)
