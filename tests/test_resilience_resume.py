@@ -204,6 +204,20 @@ def test_a_refused_launch_records_the_killed_attempt_it_found_as_died(tmp_path):
     assert read_json(tmp_path / "run.json") == failed, "a run that recorded its end keeps its record"
 
 
+def test_after_a_refused_first_launch_a_checkpoint_cut_short_on_other_ranks_is_not_resumed_from(tmp_path):
+    """The refusal's run.json is the record the next launch continues: it keeps the rule that a checkpoint is complete
+    once marked, so rank 0's trainer_state.json alone (the other ranks' saves cut short) is not taken for complete."""
+    from colocated_grpo.resilience import attempts
+
+    attempts.record_refusal(tmp_path, checkpoints.ResumeError("refused"), {"world_size": 2})
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / checkpoints.TRAINER_STATE).write_text(json.dumps({"global_step": 2}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in (1, 2)))
+    assert checkpoints.latest(tmp_path) is None
+    with pytest.raises(checkpoints.ResumeError, match=r"checkpoint-2 \(none complete\)"):
+        checkpoints.plan(compose_train("trainer.max_steps=4"), tmp_path)
+
+
 def _complete(run_dir: Path, *steps: int) -> None:
     (run_dir / "run.json").write_text(json.dumps({"status": "running", "world_size": 2, checkpoints.MARKED: True}))
     (run_dir / "metrics.jsonl").write_text("")

@@ -108,6 +108,7 @@ def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
         return
     now = run_files.now()
     record = {**metadata, "status": "failed", "started": now, "ended": now, "error": f"{type(error).__name__}: {error}"}
+    record[checkpoints.MARKED] = True  # what the next launch keeps: every checkpoint of this run will be marked
     run_files.write_json(path, redaction.redact(record))
 
 
