@@ -81,6 +81,35 @@ def test_rotation_keeps_the_last_complete_checkpoint_until_the_next_one_is_marke
     assert (tmp_path / "checkpoint-3" / checkpoints.COMPLETE).exists()
 
 
+def test_a_checkpoint_is_durable_before_it_is_marked_and_the_mark_before_older_ones_go(tmp_path, monkeypatch):
+    """Every file of a save is fsynced before complete.json is written, and the checkpoint's directory (the mark's
+    name in it) after, before the previous checkpoint is deleted: a power loss cannot leave a mark on lost data."""
+    import os
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True}))
+    synced, fsync = [], os.fsync
+
+    def spy(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        marked = {c.name for c in tmp_path.glob("checkpoint-*") if (c / checkpoints.COMPLETE).exists()}
+        synced.append((path, marked, sorted(c.name for c in tmp_path.glob("checkpoint-*"))))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    _trainer(tmp_path, 2, checkpoints.mark_complete_callback()).train()
+    for step in (2, 1):
+        name = f"checkpoint-{step}"
+        saved = [p for p, marked, _ in synced if p.parent.name == name and name not in marked]
+        assert saved, f"nothing of {name} was fsynced before its mark"
+        if step == 2:  # checkpoint-1 is gone now (save_total_limit=1)
+            written = {p for p in (tmp_path / name).rglob("*") if p.is_file() and p.name != checkpoints.COMPLETE}
+            assert written <= set(saved), f"not durable before the mark: {sorted(written - set(saved))}"
+        directory = [held for p, marked, held in synced if p == tmp_path / name and name in marked]
+        assert directory, f"{name}'s directory was not fsynced after its mark"
+        if step == 2:
+            assert "checkpoint-1" in directory[0], "checkpoint-2's mark is durable before checkpoint-1 is deleted"
+
+
 def _history(run_dir: Path, steps: int, *saves: int) -> None:
     (run_dir / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True, "attempts": [{}]}))
     (run_dir / "metrics.jsonl").write_text(

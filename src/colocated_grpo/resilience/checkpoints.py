@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -130,10 +131,15 @@ def mark_complete_callback():
                 self.keep, args.save_total_limit = args.save_total_limit, None
 
         def on_save(self, args, state, control, **kwargs):
+            path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
+            started = time.monotonic()
+            _fsync(*sorted(path.rglob("*"), reverse=True), path)  # this rank's part (and the rest seen here)
+            synced = time.monotonic() - started
             PartialState().wait_for_everyone()  # what Accelerator.wait_for_everyone runs; no-op on one process
             if state.is_world_process_zero:
-                path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
+                log.info("%s: made durable (fsync) in %.2f s", path.name, synced)
                 run_files.write_json(path / COMPLETE, {"global_step": state.global_step, "ranks": args.world_size})
+                _fsync(path, path.parent)  # the mark's name and the checkpoint's, before older ones go
                 for old in checkpoints(args.output_dir)[: -self.keep] if self.keep and self.keep > 0 else []:
                     if str(old.path) != state.best_model_checkpoint:
                         for name in (COMPLETE, TRAINER_STATE):  # unmarked first: a cut deletion is not resumed from
@@ -141,6 +147,16 @@ def mark_complete_callback():
                         shutil.rmtree(old.path, ignore_errors=True)
 
     return MarkComplete()
+
+
+def _fsync(*paths: Path) -> None:
+    """Make files durable, and directories' entries (the names of what they hold)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def quiet_tied_weights_on_resume(model) -> None:
