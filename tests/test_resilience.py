@@ -875,3 +875,32 @@ def test_only_a_write_that_failed_is_taken_for_a_full_disk(tmp_path, monkeypatch
     usage.free = 2**30  # ENOSPC says so itself, whatever the space left now (a quota, a filesystem freed since)
     assert disk_full.explain(enospc, tmp_path, "the start") is not None
     assert disk_full.explain(torch_save, tmp_path, "the start") is None
+
+
+def test_a_disk_that_fills_before_the_first_checkpoint_names_the_command_that_starts_the_run_over(
+    tmp_path, monkeypatch
+):
+    """Without a complete checkpoint the same command is refused (the run holds metric rows and a cut save): the
+    line gives the one that works, run.resume=restart in place of the launch's own run.resume."""
+    import shlex
+
+    from conftest import compose_train
+
+    from colocated_grpo.launch import lifecycle
+    from colocated_grpo.resilience import attempts
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True, "attempts": [{}]}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in (1, 2)))
+    (tmp_path / "checkpoint-2").mkdir()  # cut short
+    launched = ["trainer.max_steps=4", "run.resume=auto"]
+    monkeypatch.setattr(attempts, "task_overrides", lambda: launched)  # what Hydra records of the launch
+    full = lifecycle._explain_disk_full(OSError(28, "No space left on device"), tmp_path, main=True)
+    said = str(full).split("Free some space, then ", 1)[1]
+    assert said.startswith("start the run over from step 0 (no checkpoint is complete) with: python "), said
+    overrides = [w for w in shlex.split(said.split(" with: ", 1)[1])[2:] if not w.startswith("hydra.run.dir=")]
+    assert overrides == ["trainer.max_steps=4", "run.resume=restart"]
+    assert f"hydra.run.dir={tmp_path}" in said and not (tmp_path / "checkpoint-2").exists(), "the cut save is gone"
+    with pytest.raises(checkpoints.ResumeError, match="no complete checkpoint"):
+        checkpoints.plan(compose_train(*launched), tmp_path)
+    resume = checkpoints.plan(compose_train(*overrides), tmp_path)
+    assert resume.resuming and resume.checkpoint is None

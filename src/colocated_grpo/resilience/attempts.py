@@ -114,11 +114,11 @@ def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
 
 def resume_command(run_dir: Path) -> str:
     """How to continue this run, as a command line (a server placement's trainer: its orchestrator's, in
-    RESUME_COMMAND_ENV). Call it early: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE."""
+    RESUME_COMMAND_ENV). Per node: the world over torchrun's nodes (vLLM's CPU platform rewrites LOCAL_WORLD_SIZE)."""
     if given := os.environ.get(RESUME_COMMAND_ENV):
         return given
-    world, nproc = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return checkpoints.launch_command(run_dir, task_overrides(), world, nproc)
+    world, nodes = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    return checkpoints.launch_command(run_dir, task_overrides(), world, world // nodes)
 
 
 def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> TrainingInterrupted | None:
