@@ -110,6 +110,21 @@ def test_a_checkpoint_is_durable_before_it_is_marked_and_the_mark_before_older_o
             assert "checkpoint-1" in directory[0], "checkpoint-2's mark is durable before checkpoint-1 is deleted"
 
 
+def test_a_file_of_another_rank_gone_before_its_fsync_is_left_to_that_rank(tmp_path):
+    """A rank that reaches the mark's barrier first lists files another rank is still writing (a temp file renamed
+    away a moment later, here a link to nothing): it fsyncs what is there and goes on to the mark."""
+    from transformers import TrainerControl, TrainerState
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True}))
+    saved = tmp_path / "checkpoint-3"
+    saved.mkdir()
+    (saved / "model.safetensors").write_bytes(b"weights")
+    (saved / ".tmpaa5JS4").symlink_to(saved / "renamed-away")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    checkpoints.mark_complete_callback().on_save(args, TrainerState(global_step=3), TrainerControl())
+    assert checkpoints.latest(tmp_path) == checkpoints.Checkpoint(saved, 3)
+
+
 def _history(run_dir: Path, steps: int, *saves: int) -> None:
     (run_dir / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True, "attempts": [{}]}))
     (run_dir / "metrics.jsonl").write_text(

@@ -152,7 +152,10 @@ def mark_complete_callback():
 def _fsync(*paths: Path) -> None:
     """Make files durable, and directories' entries (the names of what they hold)."""
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # another rank's temp file, renamed since: that rank makes its own part durable
+            continue
         try:
             os.fsync(fd)
         finally:
