@@ -348,18 +348,25 @@ def check_config(cfg: DictConfig, run_dir: Path, previous: dict) -> None:
 
 def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
     """Drop records of steps after `step` from every per-step JSONL file, so the resumed run appends without
-    duplicates or gaps (and a torn last line of a killed writer goes too). Returns the dropped count per file."""
+    duplicates or gaps (and a torn last line of a killed writer goes too). Returns the dropped count per file. Each
+    file is read and written a line at a time: a long run's files need not fit in memory."""
     dropped = {}
     for path in sorted(Path(run_dir).glob("*.jsonl")):
-        records = read_jsonl(path)
-        keep = [r for r in records if r.get(STEP_KEY) is None or r[STEP_KEY] <= step]
         with open(path, encoding="utf-8") as f:
-            total_lines = sum(1 for _ in f)  # torn lines included: read_jsonl skipped them
-        if len(keep) == total_lines:
-            continue
-        run_files.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
-        dropped[path.name] = total_lines - len(keep)
+            if cut := sum(not _kept(line, step) for line in f):
+                f.seek(0)
+                run_files.write_text(path, (line.rstrip("\n") + "\n" for line in f if _kept(line, step)))
+                dropped[path.name] = cut
     return dropped
+
+
+def _kept(line: str, step: int) -> bool:
+    """A whole record of `step` or before, or of no step."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return record.get(STEP_KEY) is None or record[STEP_KEY] <= step
 
 
 def remove_incomplete(run_dir: Path) -> list[str]:
