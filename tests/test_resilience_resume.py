@@ -294,3 +294,59 @@ def test_every_rank_takes_rank_0s_resume_decision_from_the_launchs_store(tmp_pat
     with pytest.raises(checkpoints.ResumeError) as same:
         checkpoints.plan(cfg, rank1, main=False)
     assert str(same.value) == str(refused.value) and "reached trainer.max_steps=4" in str(same.value)
+
+
+# One rank of a launch without torchrun's agent (srun, the DeepSpeed launcher): RANK, WORLD_SIZE, MASTER_ADDR and
+# MASTER_PORT only. It plans its resume on its own view of the run directory, then joins the process group.
+RANK = """
+import json, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from omegaconf import OmegaConf
+from colocated_grpo.resilience import checkpoints
+
+steps = int(sys.argv[2])
+cfg = OmegaConf.create({"run": {"resume": "auto"}, "trainer": {"max_steps": steps}, "parallelism": {"name": "ddp"}})
+try:
+    said = checkpoints.plan(cfg, Path(sys.argv[1]), main=os.environ["RANK"] == "0").checkpoint.path.name
+    dist.init_process_group("gloo")
+    dist.all_reduce(ones := torch.ones(1))
+    said += f", process group of {ones.item():.0f}"
+except checkpoints.ResumeError as refused:
+    said = f"refused: {refused}"
+print(json.dumps(said))
+"""
+
+
+def test_without_torchruns_agent_every_rank_takes_rank_0s_decision_and_its_refusal(tmp_path):
+    """The ranks of another launcher reach a store rank 0 hosts at MASTER_PORT, which the process group then joins:
+    a rank whose view lags (checkpoint-4 not there yet) resumes where rank 0 does, and rank 0's refusal is theirs."""
+    import os
+    import subprocess
+
+    from colocated_grpo.launch.processes import free_port
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    views = [tmp_path / "rank0", tmp_path / "rank1"]
+    for view, steps in zip(views, [(2, 4), (2,)], strict=True):
+        view.mkdir()
+        _complete(view, *steps)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK", "WORLD"))}
+
+    def launch(max_steps: int) -> list[str]:
+        common = {**env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(view), str(max_steps)],
+                env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank, view in enumerate(views)
+        ]
+        return [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in ranks]
+
+    assert launch(6) == ["checkpoint-4, process group of 2"] * 2
+    rank0, rank1 = launch(4)
+    assert rank0 == rank1 and "reached trainer.max_steps=4" in rank1

@@ -198,14 +198,13 @@ class Resume:
 
 def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     """How this attempt starts; ResumeError where the run directory cannot be used as asked. Rank 0 decides and
-    checks; under torchrun the other ranks take its decision (or its refusal) from the launch's store, since their own
-    look at the file system may differ (another node's view of a network filesystem, a save being removed)."""
-    run_dir, store = Path(run_dir), _launch_store()
+    checks; the other ranks take its decision (or its refusal) from the launch's store, since their own look at the
+    file system may differ (another node's view of a network filesystem, a save being removed)."""
+    run_dir, store = Path(run_dir), _launch_store(main)
     key = "colocated_grpo/resume/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart is a new launch
     if not main:
-        if store is None:  # ranks started without a torchrun agent: each decides as rank 0 does
-            return Resume(latest(run_dir) if cfg.run.resume == "auto" else None)
         decided = json.loads(store.get(key))
+        store.add(key + "/read", 1)
         if "refused" in decided:
             raise ResumeError(decided["refused"])
         name = decided["checkpoint"]
@@ -215,6 +214,11 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     except Exception as err:
         if store is not None:
             store.set(key, json.dumps({"refused": str(err) if isinstance(err, ResumeError) else f"rank 0: {err!r}"}))
+            if _held_stores:  # hosted here: alive until every rank has read the refusal (or 30 s)
+                for _ in range(300):
+                    if store.add(key + "/read", 0) >= int(os.environ["WORLD_SIZE"]) - 1:
+                        break
+                    time.sleep(0.1)
         raise
     if store is not None:
         store.set(
@@ -223,17 +227,26 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     return resume
 
 
-def _launch_store():
-    """The torchrun agent's store, which every rank reaches before any process group exists (None for one process,
-    or ranks started without a torchrun agent)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+_held_stores = []  # the store rank 0 hosts for a launcher without an agent store, alive as long as the process
+
+
+def _launch_store(main: bool):
+    """The store every rank reaches before any process group exists (None for one process): torchrun's agent's; for
+    a launcher without one (srun, the DeepSpeed launcher), one that rank 0 hosts at MASTER_PORT and that the process
+    group then joins as torchrun's workers join their agent's (TORCHELASTIC_USE_AGENT_STORE)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
+    host = main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return TCPStore(address, port, is_master=False, timeout=timedelta(minutes=10), wait_for_workers=False)
+    store = TCPStore(address, port, is_master=host, timeout=timedelta(minutes=10), wait_for_workers=False)
+    if host:
+        _held_stores.append(store)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return store
 
 
 def _decide(cfg: DictConfig, run_dir: Path) -> Resume:
