@@ -144,6 +144,44 @@ def test_a_sweep_job_and_a_study_give_torchrun_their_grace(tmp_path):
     assert "hydra.launcher.stop_grace_s=60" in definition.case_command(study, "m", "a", tmp_path)
 
 
+# A parent with a thread of its own (as a sweep's progress bar), starting a child and then killed by SIGKILL.
+PARENT = """
+import sys, threading, time
+from pathlib import Path
+from colocated_grpo.launch import processes
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+child = processes.start([sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_dies_with_its_parent_and_no_python_runs_between_fork_and_exec(tmp_path, monkeypatch):
+    """PR_SET_PDEATHSIG is set by the child itself, in front of its command, not by a preexec_fn: that runs Python
+    in the forked copy of a threaded parent, where a lock another thread held at the fork is never released."""
+    import psutil
+
+    started = []
+    monkeypatch.setattr(processes.subprocess, "Popen", lambda *args, **kwargs: started.append(kwargs))
+    processes.start(["true"], tmp_path / "log")
+    assert started and started[0].get("preexec_fn") is None and started[0]["start_new_session"]
+    monkeypatch.undo()
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "child.log")], stdout=subprocess.PIPE)
+    child = psutil.Process(int(parent.stdout.readline()))
+    deadline = time.monotonic() + 10
+    while child.cmdline()[2] != "import time; time.sleep(600)" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.cmdline() == [sys.executable, "-c", "import time; time.sleep(600)"], "its command, in its process"
+    parent.kill()
+    parent.wait()
+    try:
+        child.wait(timeout=10)
+    except psutil.TimeoutExpired:
+        child.kill()
+        raise AssertionError("the child outlived its parent") from None
+
+
 def test_stop_takes_down_the_whole_process_group(tmp_path):
     # a parent that ignores SIGTERM and has two grandchildren, like torchrun with its workers
     script = (
