@@ -837,6 +837,28 @@ def test_a_late_repeated_sigterm_stops_at_once_saying_so_not_as_a_stop_in_start_
     assert str(stopped.value).startswith("SIGTERM received again: stopped at once in step 5, without a checkpoint")
 
 
+def test_a_plain_trl_run_stopped_in_training_says_so_not_as_a_stop_in_start_up():
+    """The plain-TRL bench saves nothing on a signal: in training, SIGTERM and Ctrl-C stop it at once, saying where,
+    instead of start-up's "stopped before the first step, nothing trained"; start-up's handler is back after."""
+    import inspect
+
+    from colocated_grpo.bench import plain_trl
+    from colocated_grpo.resilience import signals
+
+    previous = signal.signal(signal.SIGTERM, signals._stop_in_start_up)  # what signals.run_main installs
+    try:
+        for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+            with pytest.raises(signals.StoppedAtOnce) as stopped, signals.stopping_at_once():
+                signal.raise_signal(signum)
+            assert stopped.value.code == code
+            said = f"{signal.Signals(signum).name} during training: stopped at once, without a checkpoint"
+            assert str(stopped.value).startswith(said)
+        assert signal.getsignal(signal.SIGTERM) is signals._stop_in_start_up
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert re.search(r"with signals.stopping_at_once\(\):.*\n +trainer.train\(\)", inspect.getsource(plain_trl.train))
+
+
 ENDING = """
 import os, signal, sys, time
 from colocated_grpo.resilience import signals
