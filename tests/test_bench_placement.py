@@ -173,7 +173,7 @@ WORKLOAD = ["--prompt-tokens=150", "--completion-tokens=1024", "--model-params=1
 
 def test_predict_with_no_such_calibration_file_says_so_and_how_to_measure_one(tmp_path):
     with pytest.raises(SystemExit) as refused:
-        main(["predict", f"--calibration={tmp_path / 'my_gpu.json'}", "--gpus=8", "--completions=512"] + WORKLOAD)
+        main(["predict", f"--calibration={tmp_path / 'my_gpu.json'}", "--gpus=8", "--completions=512", *WORKLOAD])
     assert str(refused.value).startswith(f"{tmp_path / 'my_gpu.json'}: no such file. Measure your GPU into it with")
     assert "placement measure sweeps/studies/calibration_h200.yaml --dir DIR --out" in str(refused.value)
 
