@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from conftest import assert_stops_with_its_parent
 from omegaconf import OmegaConf
 
 from colocated_grpo.launch import processes
@@ -173,13 +174,7 @@ def test_a_child_dies_with_its_parent_and_no_python_runs_between_fork_and_exec(t
     while child.cmdline()[2] != "import time; time.sleep(600)" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert child.cmdline() == [sys.executable, "-c", "import time; time.sleep(600)"], "its command, in its process"
-    parent.kill()
-    parent.wait()
-    try:
-        child.wait(timeout=10)
-    except psutil.TimeoutExpired:
-        child.kill()
-        raise AssertionError("the child outlived its parent") from None
+    assert_stops_with_its_parent(child, parent)
 
 
 def test_stop_takes_down_the_whole_process_group(tmp_path):

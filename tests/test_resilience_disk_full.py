@@ -125,15 +125,20 @@ for name, write in writers.items():
 """
 
 
-def test_every_writer_of_a_save_that_fills_the_disk_is_a_full_disk_and_its_cut_save_is_removed(tmp_path):
+def _on_a_1_mib_disk(tmp_path: Path, script: str):
+    """Run `script` with a run directory on a real 1 MiB tmpfs of its own; the JSON lines it printed."""
     if shutil.which("unshare") is None:
         pytest.fail("this test needs util-linux's unshare (apt-get install util-linux)")
     (run_dir := tmp_path / "run").mkdir()
-    (writers := tmp_path / "writers.py").write_text(WRITERS)
-    script = f"mount -t tmpfs -o size=1m tmpfs {run_dir} && {sys.executable} {writers} {run_dir}"
-    cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", script]
+    (path := tmp_path / "script.py").write_text(script)
+    shell = f"mount -t tmpfs -o size=1m tmpfs {run_dir} && {sys.executable} {path} {run_dir}"
+    cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", shell]
     proc = run_bounded(cmd, timeout=120)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_dir, proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_writer_of_a_save_that_fills_the_disk_is_a_full_disk_and_its_cut_save_is_removed(tmp_path):
+    run_dir, proc, results = _on_a_1_mib_disk(tmp_path, WRITERS)
     writers = ["safetensors", "torch.save", "text", "torch.distributed.checkpoint"]
     assert [r["writer"] for r in results] == writers, proc.stdout + proc.stderr
     assert [r["error"] for r in results] == ["SafetensorError", "RuntimeError", "OSError", "CheckpointException"]
@@ -189,14 +194,7 @@ resume()
 
 
 def test_a_resume_on_a_still_full_disk_frees_the_cut_save_before_it_rewrites_the_run_files(tmp_path):
-    if shutil.which("unshare") is None:
-        pytest.fail("this test needs util-linux's unshare (apt-get install util-linux)")
-    (run_dir := tmp_path / "run").mkdir()
-    (resume := tmp_path / "resume.py").write_text(STILL_FULL)
-    script = f"mount -t tmpfs -o size=1m tmpfs {run_dir} && {sys.executable} {resume} {run_dir}"
-    cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", script]
-    proc = run_bounded(cmd, timeout=120)
-    freed, full = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    run_dir, proc, (freed, full) = _on_a_1_mib_disk(tmp_path, STILL_FULL)
     assert freed == {"error": None, "left": ["checkpoint-2"], "steps": [1, 2]}, proc.stdout + proc.stderr
     said = f"DiskFull: no space left on the disk of the run directory {run_dir} (0.0 MiB free of 1.0 MiB; OSError: "
     assert full["error"].startswith(said) and full["error"].endswith("then run the same command again"), full
