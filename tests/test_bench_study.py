@@ -259,7 +259,7 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process_and_runnin
     import psutil
 
     definition, out = tmp_path / "long.yaml", tmp_path / "out"
-    long = ["trainer.max_steps=12", "trainer.max_completion_length=8", "trainer.save_strategy=steps"]
+    long = ["trainer.max_steps=40", "trainer.max_completion_length=8", "trainer.save_strategy=steps"]
     long.append("trainer.save_steps=2")
     definition.write_text(
         yaml.safe_dump(
@@ -277,7 +277,7 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process_and_runnin
     )
     rep1 = out / "runs" / "tiny" / "long" / "rep1"
     try:
-        wait_for_file(study_proc, rep1, "checkpoint-2/complete.json")  # the repeat has saved a checkpoint
+        wait_for_file(study_proc, rep1, "checkpoint-*/complete.json")  # the repeat has saved a checkpoint
         children = psutil.Process(study_proc.pid).children(recursive=True)
         os.kill(study_proc.pid, signal.SIGINT)
         output, _ = study_proc.communicate(timeout=120)
@@ -298,7 +298,7 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process_and_runnin
     record = read_json(rep1 / "run.json")
     assert record["status"] == "finished" and [a["status"] for a in record["attempts"]] == ["interrupted", "finished"]
     assert record["attempts"][1]["from_step"] >= 2, "resumed from a checkpoint, not started over"
-    assert [r[STEP_KEY] for r in read_jsonl(rep1 / "metrics.jsonl")] == list(range(1, 13)), "each step once"
+    assert [r[STEP_KEY] for r in read_jsonl(rep1 / "metrics.jsonl")] == list(range(1, 41)), "each step once"
 
 
 def test_a_study_with_a_step_that_did_not_finish_says_which_and_exits_non_zero(tmp_path, capsys):
