@@ -60,8 +60,7 @@ class JsonlWriter:
 
 
 def write_text(path: Path, text: str | Iterable[str]) -> None:
-    """Write atomically and durably (a temp file beside it, fsynced, renamed over it; removed if the write fails);
-    `text` may be lines, written as they come."""
+    """Write atomically and durably (a temp file beside it, fsynced, renamed over it; removed if the write fails)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -314,8 +314,7 @@ def _close_process_group() -> None:
 
 
 def _explain_disk_full(exc: BaseException, run_dir: Path, main: bool) -> disk_full.DiskFull | None:
-    """DiskFull for a run out of space, with what continues it; rank 0 removes the save it cut short, freeing room to
-    record the failure."""
+    """DiskFull for a run out of space; rank 0 removes the save it cut short, freeing room to record the failure."""
     if last := checkpoints.latest(run_dir):
         then = f"run the same command again to resume from {last.path.name}"
     else:  # the run starts over, which the same command refuses once it holds metric rows or a cut save

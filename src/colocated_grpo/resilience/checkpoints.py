@@ -360,9 +360,8 @@ def check_config(cfg: DictConfig, run_dir: Path, previous: dict) -> None:
 
 
 def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
-    """Drop records of steps after `step` from every per-step JSONL file, so the resumed run appends without
-    duplicates or gaps (and a torn last line of a killed writer goes too). Returns the dropped count per file. Each
-    file is read and written a line at a time: a long run's files need not fit in memory."""
+    """Drop records of steps after `step` from every per-step JSONL file, a line at a time, so the resumed run appends
+    without duplicates or gaps (a torn last line of a killed writer goes too). Returns the dropped count per file."""
     dropped = {}
     for path in sorted(Path(run_dir).glob("*.jsonl")):
         with open(path, encoding="utf-8") as f:

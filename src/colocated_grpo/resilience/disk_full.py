@@ -25,8 +25,7 @@ class DiskFull(RuntimeError):
 
 
 def explain(exc: BaseException, run_dir: Path, then: str) -> DiskFull | None:
-    """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None; `then` says what
-    to run once there is room."""
+    """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None; `then`: what next."""
     chain = list(exception_chain(exc))
     for dcp in [c for c in chain if type(c).__name__ == "CheckpointException"]:  # FSDP2's save: every rank's error
         chain += [e for failed, _ in dcp.failures.values() for e in exception_chain(failed)]
