@@ -203,6 +203,8 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     run_dir, store = Path(run_dir), _launch_store(main)
     key = "colocated_grpo/resume/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart is a new launch
     if not main:
+        if store is None:  # no rendezvous to share it through (nor then a process group): each decides as rank 0 does
+            return Resume(latest(run_dir) if cfg.run.resume == "auto" else None)
         decided = json.loads(store.get(key))
         store.add(key + "/read", 1)
         if "refused" in decided:
@@ -231,10 +233,10 @@ _held_stores = []  # the store rank 0 hosts for a launcher without an agent stor
 
 
 def _launch_store(main: bool):
-    """The store every rank reaches before any process group exists (None for one process): torchrun's agent's; for
-    a launcher without one (srun, the DeepSpeed launcher), one that rank 0 hosts at MASTER_PORT and that the process
-    group then joins as torchrun's workers join their agent's (TORCHELASTIC_USE_AGENT_STORE)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    """The store every rank reaches before any process group exists (None for one process, or no MASTER_PORT):
+    torchrun's agent's; for a launcher without one (srun, the DeepSpeed launcher), one that rank 0 hosts at
+    MASTER_PORT and that the process group then joins as torchrun's workers join their agent's."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_PORT" not in os.environ:
         return None
     from datetime import timedelta
 
