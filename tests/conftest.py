@@ -267,6 +267,17 @@ def tp2_run(train, tmp_path_factory) -> Run:
 _started: list[subprocess.Popen] = []  # every process started through start_own_session
 
 
+def assert_stops_with_its_parent(child: psutil.Process, parent: subprocess.Popen) -> None:
+    """SIGKILL `parent` (it cannot stop `child` itself): `child` must end within 10 s."""
+    parent.kill()
+    parent.wait()
+    try:
+        child.wait(timeout=10)
+    except psutil.TimeoutExpired:
+        child.kill()
+        raise AssertionError(f"{child.cmdline()} outlived its parent") from None
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL `proc`, its process group and every descendant (torchrun's workers run in sessions of their own)."""
     try:

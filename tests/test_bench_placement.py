@@ -157,6 +157,25 @@ def test_predict_prints_a_ranked_table_and_writes_a_figure(tmp_path, capsys):
     assert len(rows) == 5 and figure.stat().st_size > 10_000
     steps = [float(line[38:].split()[0]) for line in rows]
     assert steps == sorted(steps)
+    # beside each prediction, the error the committed validation measured for multi-GPU jobs (docs/placement.md)
+    assert lines[1].split()[:4] == ["placement", "step", "s", "±"]
+    error = validation.committed(4)["median"]
+    assert round(error, 3) == 0.315
+    assert [float(line[38:].split()[1]) for line in rows] == pytest.approx([s * error for s in steps], abs=0.01)
+    assert (
+        "the model's median |error| on the 11 H200 jobs on several GPUs it was not calibrated from: 31.5%"
+        in (lines[len(rows) + 2])
+    )
+
+
+WORKLOAD = ["--prompt-tokens=150", "--completion-tokens=1024", "--model-params=1.5"]
+
+
+def test_predict_with_no_such_calibration_file_says_so_and_how_to_measure_one(tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        main(["predict", f"--calibration={tmp_path / 'my_gpu.json'}", "--gpus=8", "--completions=512", *WORKLOAD])
+    assert str(refused.value).startswith(f"{tmp_path / 'my_gpu.json'}: no such file. Measure your GPU into it with")
+    assert "placement measure sweeps/studies/calibration_h200.yaml --dir DIR --out" in str(refused.value)
 
 
 def test_a_file_that_is_not_a_calibration_is_refused(tmp_path):

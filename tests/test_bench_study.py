@@ -297,28 +297,34 @@ def test_plan_shows_each_step_and_its_command_in_the_order_run_takes_them(tmp_pa
     ]
 
 
-def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, tmp_path):
+def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process_and_running_again_resumes_it(run_env, tmp_path):
+    """Ctrl-C once the running repeat has saved a checkpoint: the study stops, records the job as interrupted and
+    leaves no process; running it again resumes that repeat from its checkpoint, keeping the steps it trained."""
     import os
     import signal
 
     import psutil
 
     definition, out = tmp_path / "long.yaml", tmp_path / "out"
+    long = ["trainer.max_steps=40", "trainer.max_completion_length=8", "trainer.save_strategy=steps"]
+    long.append("trainer.save_steps=2")
     definition.write_text(
         yaml.safe_dump(
             {
                 "models": ["tiny"],
                 "common": ["logger=none", "placement=none"],  # the study's plumbing: no engine needed
+                "repeats": 1,
                 "baseline": "long",
-                "cases": {"long": ["trainer.max_steps=500"], "next": []},
+                "cases": {"long": long, "next": []},
             }
         )
     )
     study_proc = start_own_session(
         [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", "out"], tmp_path, run_env
     )
+    rep1 = out / "runs" / "tiny" / "long" / "rep1"
     try:
-        wait_for_file(study_proc, out, "runs/tiny/long/rep1/run.json")  # the case's training has started
+        wait_for_file(study_proc, rep1, "checkpoint-*/complete.json")  # the repeat has saved a checkpoint
         children = psutil.Process(study_proc.pid).children(recursive=True)
         os.kill(study_proc.pid, signal.SIGINT)
         output, _ = study_proc.communicate(timeout=120)
@@ -330,6 +336,29 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process(run_env, t
     assert not alive, f"left behind: {alive}"
     assert study.case_status(out / "runs" / "tiny" / "long") == "interrupted"
     assert not (out / "runs" / "tiny" / "next").exists(), "nothing after the interrupted case started"
+    stopped_at = read_json(rep1 / "run.json")["attempts"][0]
+    assert stopped_at["status"] == "interrupted" and stopped_at["from_step"] == 0
+
+    cmd = [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out)]
+    again = run_bounded([*cmd, "--only", "tiny/long"], cwd=tmp_path, env=run_env, timeout=300)
+    assert again.returncode == 0 and "study done" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    record = read_json(rep1 / "run.json")
+    assert record["status"] == "finished" and [a["status"] for a in record["attempts"]] == ["interrupted", "finished"]
+    assert record["attempts"][1]["from_step"] >= 2, "resumed from a checkpoint, not started over"
+    assert [r[STEP_KEY] for r in read_jsonl(rep1 / "metrics.jsonl")] == list(range(1, 41)), "each step once"
+
+
+def test_a_study_with_a_step_that_did_not_finish_says_which_and_exits_non_zero(tmp_path, capsys):
+    """A run refused or failed leaves its step unfinished: the study names it and exits 1, not "study done"."""
+    definition = tmp_path / "broken.yaml"
+    broken = {**TINY_STUDY, "bench": {"broken": ["--no-such-option"]}}
+    definition.write_text(yaml.safe_dump(broken, sort_keys=False))
+    with pytest.raises(SystemExit) as ended:
+        study_main(["run", str(definition), "--out", str(tmp_path / "out"), "--only", "tiny/broken"])
+    assert ended.value.code == 1
+    err = capsys.readouterr().err
+    assert "study not done: 1 of 1 steps did not finish (tiny broken: no result, see " in err, err
+    assert "study done" not in err
 
 
 def test_a_baseline_mapping_names_cases_only(tmp_path):

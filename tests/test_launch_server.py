@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from conftest import assert_stops_with_its_parent
 from omegaconf import OmegaConf
 
 from colocated_grpo.launch import processes
@@ -132,6 +133,50 @@ def test_server_that_never_answers_times_out(tmp_path):
         processes.stop(proc, grace_s=1)
 
 
+def test_a_sweep_job_and_a_study_give_torchrun_their_grace(tmp_path):
+    """torchrun kills its workers after its own shutdown timeout (30 s by default), whatever the caller waits: a
+    sweep job's torchrun gets the sweep's grace, and a study gives its sweeps its own."""
+    from colocated_grpo.bench.study import definition
+
+    show = [sys.executable, "-c", "import os; print(os.environ['TORCH_ELASTIC_SHUTDOWN_TIMEOUT'])"]
+    assert processes.run(show, tmp_path / "log", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"}, grace_s=44.5) == 0
+    assert (tmp_path / "log").read_text().split() == ["45"]
+    study = {"kinds": {"a": "ours"}, "common": [], "cases": {"a": []}}
+    assert "hydra.launcher.stop_grace_s=60" in definition.case_command(study, "m", "a", tmp_path)
+
+
+# A parent with a thread of its own (as a sweep's progress bar), starting a child and then killed by SIGKILL.
+PARENT = """
+import sys, threading, time
+from pathlib import Path
+from colocated_grpo.launch import processes
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+child = processes.start([sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_dies_with_its_parent_and_no_python_runs_between_fork_and_exec(tmp_path, monkeypatch):
+    """PR_SET_PDEATHSIG is set by the child itself, in front of its command, not by a preexec_fn: that runs Python
+    in the forked copy of a threaded parent, where a lock another thread held at the fork is never released."""
+    import psutil
+
+    started = []
+    monkeypatch.setattr(processes.subprocess, "Popen", lambda *args, **kwargs: started.append(kwargs))
+    processes.start(["true"], tmp_path / "log")
+    assert started and started[0].get("preexec_fn") is None and started[0]["start_new_session"]
+    monkeypatch.undo()
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "child.log")], stdout=subprocess.PIPE)
+    child = psutil.Process(int(parent.stdout.readline()))
+    deadline = time.monotonic() + 10
+    while child.cmdline()[2] != "import time; time.sleep(600)" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.cmdline() == [sys.executable, "-c", "import time; time.sleep(600)"], "its command, in its process"
+    assert_stops_with_its_parent(child, parent)
+
+
 def test_stop_takes_down_the_whole_process_group(tmp_path):
     # a parent that ignores SIGTERM and has two grandchildren, like torchrun with its workers
     script = (
@@ -161,11 +206,11 @@ def _alive(pid: str) -> bool:
         return False
 
 
-# A trainer that saves for a second on SIGTERM and says so as the runner does, naming the command it was given.
+# A trainer that saves for 3 s on SIGTERM and says so as the runner does, naming the command it was given.
 FAKE_TRAINER = """
 import os, signal, sys, time
 def stop(signum, frame):
-    time.sleep(1)
+    time.sleep(3)
     print("training stopped by SIGTERM after step 3 of 30: checkpoint saved to RUN/checkpoint-3; run files flushed "
           "and W&B run finished. Resume with: " + os.environ["COLOCATED_GRPO_RESUME_COMMAND"], flush=True)
     sys.exit(143)
@@ -183,9 +228,11 @@ from colocated_grpo.launch import processes, server_placement as server
 from colocated_grpo.resilience import process_end, signals
 from colocated_grpo.resilience.preemption import TrainingInterrupted
 run_dir, trainer, served = map(Path, sys.argv[1:4])
+NPROC = int(sys.argv[4])
 server.server_command = lambda cfg, model, plan: [
     sys.executable, "-m", "http.server", str(plan.port), "--bind", "127.0.0.1", "-d", str(served)]
-processes.train_command = lambda nproc, overrides: [sys.executable, str(trainer)]
+processes.train_command = lambda nproc, overrides: (
+    [sys.executable, str(trainer)] if NPROC == 1 else processes.torchrun_command(NPROC, [], trainer))
 cfg = OmegaConf.create({"placement": {"health_timeout_s": 30, "stop_grace_s": 20}})
 plan = server.ServerPlan(["0"], ["1"], processes.free_port(), processes.free_port())
 def main():
@@ -197,9 +244,14 @@ signals.run_main(main)
 """
 
 
+@pytest.mark.parametrize("nproc", [1, 2], ids=["python", "torchrun"])
 def test_sigterm_on_the_orchestrator_lets_the_trainer_save_and_exits_as_interrupted_with_a_one_server_resume(
-    tmp_path,
+    tmp_path, nproc
 ):
+    """With two ranks the trainer is a real torchrun whose own shutdown timeout (1 s here, standing in for its 30 s
+    default) is shorter than the save: the orchestrator's grace (placement.stop_grace_s) is the one that holds."""
+    import os
+
     import psutil
 
     run_dir, served = tmp_path / "run", tmp_path / "served"
@@ -210,10 +262,11 @@ def test_sigterm_on_the_orchestrator_lets_the_trainer_save_and_exits_as_interrup
     trainer.write_text(FAKE_TRAINER)
     orchestrator.write_text(ORCHESTRATOR)
     proc = subprocess.Popen(
-        [sys.executable, str(orchestrator), str(run_dir), str(trainer), str(served)],
+        [sys.executable, str(orchestrator), str(run_dir), str(trainer), str(served), str(nproc)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"},
     )
     deadline = time.monotonic() + 60
     while "step 1" not in "\n".join(processes.tail(run_dir / "trainer.log")) and time.monotonic() < deadline:
@@ -224,8 +277,10 @@ def test_sigterm_on_the_orchestrator_lets_the_trainer_save_and_exits_as_interrup
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     resume = f"python {orchestrator} trainer.max_steps=30 hydra.run.dir={run_dir}"
-    said = "server placement: SIGTERM received; the trainer stopped (exit 143) by SIGTERM after step 3 of 30: "
+    exit_code = 143 if nproc == 1 else 1  # torchrun ends with 1 after a signal, whatever its workers returned
+    said = f"server placement: SIGTERM received; the trainer stopped (exit {exit_code}) by SIGTERM after step 3 of 30: "
     assert said + f"checkpoint saved to RUN/checkpoint-3; the server stops too. Resume with: {resume}" in err
     assert "nothing trained" not in err and "start-up" not in err
-    assert f"Resume with: {resume}" in (run_dir / "trainer.log").read_text(), "the trainer names the same command"
+    trainer_log = (run_dir / "trainer.log").read_text()
+    assert trainer_log.count(f"Resume with: {resume}") == nproc, "every rank saved and names the same command"
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], "nothing left"

@@ -351,7 +351,8 @@ def test_torchrun_forwards_sigterm_and_both_ranks_stop_at_the_same_step(model_ca
         nproc=2,
     )
     rc = _stop_after(j, 1, signal.SIGTERM, group=False)  # to torchrun only: it forwards the signal to its workers
-    assert rc != 0, j.output[-4000:]
+    # torchrun itself ends with 1 and its SignalException after the workers' clean stop (docs/resilience.md)
+    assert rc == 1 and "SignalException: Process" in j.output and "got signal: 15" in j.output, j.output[-4000:]
     n = j.steps()[-1]
     checkpoint = checkpoints.latest(run_dir)
     assert checkpoint.step == n < 30
@@ -836,6 +837,28 @@ def test_a_late_repeated_sigterm_stops_at_once_saying_so_not_as_a_stop_in_start_
     assert str(stopped.value).startswith("SIGTERM received again: stopped at once in step 5, without a checkpoint")
 
 
+def test_a_plain_trl_run_stopped_in_training_says_so_not_as_a_stop_in_start_up():
+    """The plain-TRL bench saves nothing on a signal: in training, SIGTERM and Ctrl-C stop it at once, saying where,
+    instead of start-up's "stopped before the first step, nothing trained"; start-up's handler is back after."""
+    import inspect
+
+    from colocated_grpo.bench import plain_trl
+    from colocated_grpo.resilience import signals
+
+    previous = signal.signal(signal.SIGTERM, signals._stop_in_start_up)  # what signals.run_main installs
+    try:
+        for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+            with pytest.raises(signals.StoppedAtOnce) as stopped, signals.stopping_at_once():
+                signal.raise_signal(signum)
+            assert stopped.value.code == code
+            said = f"{signal.Signals(signum).name} during training: stopped at once, without a checkpoint"
+            assert str(stopped.value).startswith(said)
+        assert signal.getsignal(signal.SIGTERM) is signals._stop_in_start_up
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert re.search(r"with signals.stopping_at_once\(\):.*\n +trainer.train\(\)", inspect.getsource(plain_trl.train))
+
+
 ENDING = """
 import os, signal, sys, time
 from colocated_grpo.resilience import signals
@@ -875,3 +898,32 @@ def test_only_a_write_that_failed_is_taken_for_a_full_disk(tmp_path, monkeypatch
     usage.free = 2**30  # ENOSPC says so itself, whatever the space left now (a quota, a filesystem freed since)
     assert disk_full.explain(enospc, tmp_path, "the start") is not None
     assert disk_full.explain(torch_save, tmp_path, "the start") is None
+
+
+def test_a_disk_that_fills_before_the_first_checkpoint_names_the_command_that_starts_the_run_over(
+    tmp_path, monkeypatch
+):
+    """Without a complete checkpoint the same command is refused (the run holds metric rows and a cut save): the
+    line gives the one that works, run.resume=restart in place of the launch's own run.resume."""
+    import shlex
+
+    from conftest import compose_train
+
+    from colocated_grpo.launch import lifecycle
+    from colocated_grpo.resilience import attempts
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True, "attempts": [{}]}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in (1, 2)))
+    (tmp_path / "checkpoint-2").mkdir()  # cut short
+    launched = ["trainer.max_steps=4", "run.resume=auto"]
+    monkeypatch.setattr(attempts, "task_overrides", lambda: launched)  # what Hydra records of the launch
+    full = lifecycle._explain_disk_full(OSError(28, "No space left on device"), tmp_path, main=True)
+    said = str(full).split("Free some space, then ", 1)[1]
+    assert said.startswith("start the run over from step 0 (no checkpoint is complete) with: python "), said
+    overrides = [w for w in shlex.split(said.split(" with: ", 1)[1])[2:] if not w.startswith("hydra.run.dir=")]
+    assert overrides == ["trainer.max_steps=4", "run.resume=restart"]
+    assert f"hydra.run.dir={tmp_path}" in said and not (tmp_path / "checkpoint-2").exists(), "the cut save is gone"
+    with pytest.raises(checkpoints.ResumeError, match="no complete checkpoint"):
+        checkpoints.plan(compose_train(*launched), tmp_path)
+    resume = checkpoints.plan(compose_train(*overrides), tmp_path)
+    assert resume.resuming and resume.checkpoint is None

@@ -125,15 +125,20 @@ for name, write in writers.items():
 """
 
 
-def test_every_writer_of_a_save_that_fills_the_disk_is_a_full_disk_and_its_cut_save_is_removed(tmp_path):
+def _on_a_1_mib_disk(tmp_path: Path, script: str):
+    """Run `script` with a run directory on a real 1 MiB tmpfs of its own; the JSON lines it printed."""
     if shutil.which("unshare") is None:
         pytest.fail("this test needs util-linux's unshare (apt-get install util-linux)")
     (run_dir := tmp_path / "run").mkdir()
-    (writers := tmp_path / "writers.py").write_text(WRITERS)
-    script = f"mount -t tmpfs -o size=1m tmpfs {run_dir} && {sys.executable} {writers} {run_dir}"
-    cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", script]
+    (path := tmp_path / "script.py").write_text(script)
+    shell = f"mount -t tmpfs -o size=1m tmpfs {run_dir} && {sys.executable} {path} {run_dir}"
+    cmd = ["unshare", "--mount", "--propagation", "private", "--map-root-user", "bash", "-c", shell]
     proc = run_bounded(cmd, timeout=120)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_dir, proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_writer_of_a_save_that_fills_the_disk_is_a_full_disk_and_its_cut_save_is_removed(tmp_path):
+    run_dir, proc, results = _on_a_1_mib_disk(tmp_path, WRITERS)
     writers = ["safetensors", "torch.save", "text", "torch.distributed.checkpoint"]
     assert [r["writer"] for r in results] == writers, proc.stdout + proc.stderr
     assert [r["error"] for r in results] == ["SafetensorError", "RuntimeError", "OSError", "CheckpointException"]
@@ -143,3 +148,54 @@ def test_every_writer_of_a_save_that_fills_the_disk_is_a_full_disk_and_its_cut_s
         assert r["said"].endswith("run the same command again to resume from checkpoint-1"), r
         assert r["left"] == ["checkpoint-1"], f"{r['writer']}: the save it cut short is removed"
     assert "No space left on device (os error 28)" in results[0]["said"], "safetensors' own words"
+
+
+# A run whose save filled the disk, resumed while the disk is still full: checkpoint-2 complete, checkpoint-4 the save
+# cut short, holding every byte left; steps 1-5 logged.
+STILL_FULL = """
+import json, os, sys
+from pathlib import Path
+from omegaconf import OmegaConf
+from colocated_grpo.resilience import attempts, checkpoints
+
+run_dir = Path(sys.argv[1])
+(run_dir / "run.json").write_text(json.dumps({"status": "failed", "checkpoints_marked": True, "attempts": [{}]}))
+(run_dir / "metrics.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\\n" for s in range(1, 6)))
+(run_dir / "checkpoint-2").mkdir()
+(run_dir / "checkpoint-2" / "complete.json").write_text(json.dumps({"global_step": 2}))
+(run_dir / "checkpoint-4").mkdir()
+def fill(path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(2**16))
+    except OSError:
+        os.close(fd)
+
+def resume():
+    previous = json.loads((run_dir / "run.json").read_text())
+    try:
+        attempts.prepare_run_dir(OmegaConf.create({"trainer": {}}), run_dir, checkpoints.Resume(
+            checkpoints.Checkpoint(run_dir / "checkpoint-2", 2), previous))
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    steps = [json.loads(line)["train/global_step"] for line in open(run_dir / "metrics.jsonl")]
+    print(json.dumps({"error": error, "left": sorted(p.name for p in run_dir.glob("checkpoint-*")), "steps": steps}))
+
+fill(run_dir / "checkpoint-4" / "model.safetensors")
+resume()
+# then full of something else: nothing to free, the records stay as they were
+with open(run_dir / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"train/global_step": 3}) + "\\n")
+fill(run_dir / "other")
+resume()
+"""
+
+
+def test_a_resume_on_a_still_full_disk_frees_the_cut_save_before_it_rewrites_the_run_files(tmp_path):
+    run_dir, proc, (freed, full) = _on_a_1_mib_disk(tmp_path, STILL_FULL)
+    assert freed == {"error": None, "left": ["checkpoint-2"], "steps": [1, 2]}, proc.stdout + proc.stderr
+    said = f"DiskFull: no space left on the disk of the run directory {run_dir} (0.0 MiB free of 1.0 MiB; OSError: "
+    assert full["error"].startswith(said) and full["error"].endswith("then run the same command again"), full
+    assert full["steps"] == [1, 2, 3], "nothing cut when there was no room to write"

@@ -81,6 +81,50 @@ def test_rotation_keeps_the_last_complete_checkpoint_until_the_next_one_is_marke
     assert (tmp_path / "checkpoint-3" / checkpoints.COMPLETE).exists()
 
 
+def test_a_checkpoint_is_durable_before_it_is_marked_and_the_mark_before_older_ones_go(tmp_path, monkeypatch):
+    """Every file of a save is fsynced before complete.json is written, and the checkpoint's directory (the mark's
+    name in it) after, before the previous checkpoint is deleted: a power loss cannot leave a mark on lost data."""
+    import os
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True}))
+    synced, fsync = [], os.fsync
+
+    def spy(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        marked = {c.name for c in tmp_path.glob("checkpoint-*") if (c / checkpoints.COMPLETE).exists()}
+        synced.append((path, marked, sorted(c.name for c in tmp_path.glob("checkpoint-*"))))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    _trainer(tmp_path, 2, checkpoints.mark_complete_callback()).train()
+    for step in (2, 1):
+        name = f"checkpoint-{step}"
+        saved = [p for p, marked, _ in synced if p.parent.name == name and name not in marked]
+        assert saved, f"nothing of {name} was fsynced before its mark"
+        if step == 2:  # checkpoint-1 is gone now (save_total_limit=1)
+            written = {p for p in (tmp_path / name).rglob("*") if p.is_file() and p.name != checkpoints.COMPLETE}
+            assert written <= set(saved), f"not durable before the mark: {sorted(written - set(saved))}"
+        directory = [held for p, marked, held in synced if p == tmp_path / name and name in marked]
+        assert directory, f"{name}'s directory was not fsynced after its mark"
+        if step == 2:
+            assert "checkpoint-1" in directory[0], "checkpoint-2's mark is durable before checkpoint-1 is deleted"
+
+
+def test_a_file_of_another_rank_gone_before_its_fsync_is_left_to_that_rank(tmp_path):
+    """A rank that reaches the mark's barrier first lists files another rank is still writing (a temp file renamed
+    away a moment later, here a link to nothing): it fsyncs what is there and goes on to the mark."""
+    from transformers import TrainerControl, TrainerState
+
+    (tmp_path / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True}))
+    saved = tmp_path / "checkpoint-3"
+    saved.mkdir()
+    (saved / "model.safetensors").write_bytes(b"weights")
+    (saved / ".tmpaa5JS4").symlink_to(saved / "renamed-away")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    checkpoints.mark_complete_callback().on_save(args, TrainerState(global_step=3), TrainerControl())
+    assert checkpoints.latest(tmp_path) == checkpoints.Checkpoint(saved, 3)
+
+
 def _history(run_dir: Path, steps: int, *saves: int) -> None:
     (run_dir / "run.json").write_text(json.dumps({"status": "running", checkpoints.MARKED: True, "attempts": [{}]}))
     (run_dir / "metrics.jsonl").write_text(
@@ -204,6 +248,20 @@ def test_a_refused_launch_records_the_killed_attempt_it_found_as_died(tmp_path):
     assert read_json(tmp_path / "run.json") == failed, "a run that recorded its end keeps its record"
 
 
+def test_after_a_refused_first_launch_a_checkpoint_cut_short_on_other_ranks_is_not_resumed_from(tmp_path):
+    """The refusal's run.json is the record the next launch continues: it keeps the rule that a checkpoint is complete
+    once marked, so rank 0's trainer_state.json alone (the other ranks' saves cut short) is not taken for complete."""
+    from colocated_grpo.resilience import attempts
+
+    attempts.record_refusal(tmp_path, checkpoints.ResumeError("refused"), {"world_size": 2})
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / checkpoints.TRAINER_STATE).write_text(json.dumps({"global_step": 2}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"train/global_step": s}) + "\n" for s in (1, 2)))
+    assert checkpoints.latest(tmp_path) is None
+    with pytest.raises(checkpoints.ResumeError, match=r"checkpoint-2 \(none complete\)"):
+        checkpoints.plan(compose_train("trainer.max_steps=4"), tmp_path)
+
+
 def _complete(run_dir: Path, *steps: int) -> None:
     (run_dir / "run.json").write_text(json.dumps({"status": "running", "world_size": 2, checkpoints.MARKED: True}))
     (run_dir / "metrics.jsonl").write_text("")
@@ -236,3 +294,59 @@ def test_every_rank_takes_rank_0s_resume_decision_from_the_launchs_store(tmp_pat
     with pytest.raises(checkpoints.ResumeError) as same:
         checkpoints.plan(cfg, rank1, main=False)
     assert str(same.value) == str(refused.value) and "reached trainer.max_steps=4" in str(same.value)
+
+
+# One rank of a launch without torchrun's agent (srun, the DeepSpeed launcher): RANK, WORLD_SIZE, MASTER_ADDR and
+# MASTER_PORT only. It plans its resume on its own view of the run directory, then joins the process group.
+RANK = """
+import json, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from omegaconf import OmegaConf
+from colocated_grpo.resilience import checkpoints
+
+steps = int(sys.argv[2])
+cfg = OmegaConf.create({"run": {"resume": "auto"}, "trainer": {"max_steps": steps}, "parallelism": {"name": "ddp"}})
+try:
+    said = checkpoints.plan(cfg, Path(sys.argv[1]), main=os.environ["RANK"] == "0").checkpoint.path.name
+    dist.init_process_group("gloo")
+    dist.all_reduce(ones := torch.ones(1))
+    said += f", process group of {ones.item():.0f}"
+except checkpoints.ResumeError as refused:
+    said = f"refused: {refused}"
+print(json.dumps(said))
+"""
+
+
+def test_without_torchruns_agent_every_rank_takes_rank_0s_decision_and_its_refusal(tmp_path):
+    """The ranks of another launcher reach a store rank 0 hosts at MASTER_PORT, which the process group then joins:
+    a rank whose view lags (checkpoint-4 not there yet) resumes where rank 0 does, and rank 0's refusal is theirs."""
+    import os
+    import subprocess
+
+    from colocated_grpo.launch.processes import free_port
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    views = [tmp_path / "rank0", tmp_path / "rank1"]
+    for view, steps in zip(views, [(2, 4), (2,)], strict=True):
+        view.mkdir()
+        _complete(view, *steps)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK", "WORLD"))}
+
+    def launch(max_steps: int) -> list[str]:
+        common = {**env, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(view), str(max_steps)],
+                env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank, view in enumerate(views)
+        ]
+        return [json.loads(p.communicate(timeout=120)[0].splitlines()[-1]) for p in ranks]
+
+    assert launch(6) == ["checkpoint-4, process group of 2"] * 2
+    rank0, rank1 = launch(4)
+    assert rank0 == rank1 and "reached trainer.max_steps=4" in rank1

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import run_bounded, run_environment
+from conftest import assert_stops_with_its_parent, run_bounded, run_environment
 from test_resilience import FAULTY, Job
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
@@ -204,14 +204,7 @@ def test_a_worker_stops_when_its_torchrun_agent_is_killed():
     import psutil
 
     agent = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True)
-    worker = psutil.Process(int(agent.stdout.readline()))
-    agent.kill()  # SIGKILL: the agent cannot stop its workers itself
-    agent.wait()
-    try:
-        worker.wait(timeout=10)
-    except psutil.TimeoutExpired:
-        worker.kill()
-        raise AssertionError("the worker outlived its agent") from None
+    assert_stops_with_its_parent(psutil.Process(int(agent.stdout.readline())), agent)
 
 
 HANGS = """

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 # The key that orders every per-step record (TRL's global step); plots use it as their x axis, not W&B's step.
@@ -58,13 +59,13 @@ class JsonlWriter:
         self._file.close()
 
 
-def write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str | Iterable[str]) -> None:
     """Write atomically and durably (a temp file beside it, fsynced, renamed over it; removed if the write fails)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+            f.writelines([text] if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -65,8 +65,9 @@ def main(cfg: DictConfig) -> None:
     record.start(None)
     try:
         train(cfg, run_dir, world, rank0)
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.run_main)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.run_main; in training signals.stopping_at_once)
         record.end("interrupted")
+        print(str(stop) or "KeyboardInterrupt: stopped at once", file=sys.stderr, flush=True)
         process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         signals.ending()
@@ -120,7 +121,8 @@ def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
     trainer.add_callback(MetricsFileCallback(run_dir, int(t.warmup_steps), telemetry and telemetry.pop_step_metrics))
     if telemetry is not None:
         trainer.add_callback(telemetry)
-    trainer.train()
+    with signals.stopping_at_once():  # not as a stop in start-up: plain TRL saves nothing on a signal
+        trainer.train()
 
 
 # vLLM spawns worker processes that re-import this module: the guard keeps them from re-running training.

@@ -288,8 +288,13 @@ def _close_process_group() -> None:
 
 def _explain_disk_full(exc: BaseException, run_dir: Path, main: bool) -> disk_full.DiskFull | None:
     """DiskFull for a run out of space; rank 0 removes the save it cut short, freeing room to record the failure."""
-    last = checkpoints.latest(run_dir)
-    full = disk_full.explain(exc, run_dir, last.path.name if last else "the start")
+    if last := checkpoints.latest(run_dir):
+        then = f"run the same command again to resume from {last.path.name}"
+    else:  # the run starts over, which the same command refuses once it holds metric rows or a cut save
+        words = [w for w in attempts.resume_command(run_dir).split(" ") if not w.startswith("run.resume=")]
+        command = " ".join([*words, "run.resume=restart"])
+        then = f"start the run over from step 0 (no checkpoint is complete) with: {command}"
+    full = disk_full.explain(exc, run_dir, then)
     if full is not None and main:
         checkpoints.remove_incomplete(run_dir)
     return full

@@ -4,6 +4,7 @@ log file, and stopping it stops everything it started (torchrun's workers, vLLM'
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 from colocated_grpo.provenance import REPO
 
 TRAIN_SCRIPT = REPO / "train.py"
+LINUX = sys.platform.startswith("linux")
 
 
 def free_port() -> int:
@@ -67,20 +69,33 @@ def torchrun_command(
     ]
 
 
-def start(cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life."""
+def start(
+    cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None, grace_s: float | None = None
+) -> subprocess.Popen:
+    """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life. A torchrun
+    in it gives its workers `grace_s` after a stop signal before it kills them (its default: 30 s; torch >= 2.12)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if grace_s is not None:
+        env = {**(os.environ if env is None else env), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(grace_s))}
     with open(log_path, "ab") as log:  # the child holds its own descriptor
         return subprocess.Popen(
-            cmd,
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *map(str, cmd)] if LINUX else cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
+
+
+# The child's first instructions, then its command in the same process: SIGTERM when this process dies, even by
+# SIGKILL (the parent died already: at once), so nothing is orphaned. Not a preexec_fn, which would run Python between
+# fork and exec in a parent whose other threads may hold a lock at the fork.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG (Linux)
+    "os.getppid() == int(sys.argv[1]) or os.kill(os.getpid(), signal.SIGTERM); os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
 def run(
@@ -88,7 +103,7 @@ def run(
 ) -> int:
     """Run `cmd` to the end (see `start`) and return its exit code. Whatever happens (Ctrl-C included), no process
     of it outlives this call: on an exception it is stopped with `first_signal` first."""
-    proc = start(cmd, log_path, env)
+    proc = start(cmd, log_path, env, grace_s=grace_s)
     try:
         return proc.wait()
     except BaseException:
@@ -125,14 +140,6 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0, first_signal: int = sign
     code = proc.wait()
     psutil.wait_procs(seen, timeout=5)
     return code
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when this process dies, even by SIGKILL, so nothing is orphaned."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _kill_group(pgid: int, sig: int) -> None:

@@ -170,7 +170,7 @@ def run_placement(cfg: DictConfig, run_dir: Path) -> Path:
 def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, resume: str) -> int:
     """The trainer's exit code. SIGTERM (preemption) or Ctrl-C here is passed to the trainer, which gets `grace_s`
     to finish its step and save; then TrainingInterrupted says what was cut, exiting as the trainer did."""
-    trainer = processes.start(command, log_path, env)
+    trainer = processes.start(command, log_path, env, grace_s=grace_s)
     try:
         return trainer.wait()
     except KeyboardInterrupt as stop:  # signals.run_main turns SIGTERM into one (StoppedAtOnce); Ctrl-C is one

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from colocated_grpo import run_files
 from colocated_grpo.compat.hydra import task_overrides
 from colocated_grpo.compat.wandb import UnknownFormat
-from colocated_grpo.resilience import checkpoints, redaction, wandb_rewind
+from colocated_grpo.resilience import checkpoints, disk_full, redaction, wandb_rewind
 from colocated_grpo.resilience.preemption import StopOnSignal, TrainingInterrupted
 
 log = logging.getLogger(__name__)
@@ -22,10 +22,20 @@ RESUME_COMMAND_ENV = "COLOCATED_GRPO_RESUME_COMMAND"  # set by a server placemen
 
 
 def prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) -> None:
-    """Rank 0: cut the run files and W&B segments back to the checkpoint resumed from, then record the config."""
+    """Rank 0: remove the saves cut short, cut the run files and W&B segments back to the checkpoint resumed from,
+    then record the config. A disk still full is DiskFull, the cut save's space freed first."""
+    try:
+        _prepare_run_dir(cfg, run_dir, resume)
+    except OSError as err:
+        if (full := disk_full.explain(err, run_dir, "run the same command again")) is None:
+            raise
+        raise full from err
+
+
+def _prepare_run_dir(cfg: DictConfig, run_dir: Path, resume: checkpoints.Resume) -> None:
     if resume.resuming:
+        removed = checkpoints.remove_incomplete(run_dir)  # first: a save that a full disk cut short frees its space
         dropped = checkpoints.trim_run_files(run_dir, resume.step)
-        removed = checkpoints.remove_incomplete(run_dir)
         rewound = {}
         if resume.wandb_id:
             checkpoint = resume.checkpoint.path if resume.checkpoint else None
@@ -108,16 +118,17 @@ def record_refusal(run_dir: Path, error: BaseException, metadata: dict) -> None:
         return
     now = run_files.now()
     record = {**metadata, "status": "failed", "started": now, "ended": now, "error": f"{type(error).__name__}: {error}"}
+    record[checkpoints.MARKED] = True  # what the next launch keeps: every checkpoint of this run will be marked
     run_files.write_json(path, redaction.redact(record))
 
 
 def resume_command(run_dir: Path) -> str:
     """How to continue this run, as a command line (a server placement's trainer: its orchestrator's, in
-    RESUME_COMMAND_ENV). Call it early: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE."""
+    RESUME_COMMAND_ENV). Per node: the world over torchrun's nodes (vLLM's CPU platform rewrites LOCAL_WORLD_SIZE)."""
     if given := os.environ.get(RESUME_COMMAND_ENV):
         return given
-    world, nproc = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return checkpoints.launch_command(run_dir, task_overrides(), world, nproc)
+    world, nodes = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    return checkpoints.launch_command(run_dir, task_overrides(), world, world // nodes)
 
 
 def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> TrainingInterrupted | None:

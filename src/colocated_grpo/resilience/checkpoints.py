@@ -11,6 +11,7 @@ import re
 import shlex
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -130,10 +131,15 @@ def mark_complete_callback():
                 self.keep, args.save_total_limit = args.save_total_limit, None
 
         def on_save(self, args, state, control, **kwargs):
+            path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
+            started = time.monotonic()
+            _fsync(*sorted(path.rglob("*"), reverse=True), path)  # this rank's part (and the rest seen here)
+            synced = time.monotonic() - started
             PartialState().wait_for_everyone()  # what Accelerator.wait_for_everyone runs; no-op on one process
             if state.is_world_process_zero:
-                path = Path(args.output_dir) / f"{run_files.CHECKPOINT_PREFIX}{state.global_step}"
+                log.info("%s: made durable (fsync) in %.2f s", path.name, synced)
                 run_files.write_json(path / COMPLETE, {"global_step": state.global_step, "ranks": args.world_size})
+                _fsync(path, path.parent)  # the mark's name and the checkpoint's, before older ones go
                 for old in checkpoints(args.output_dir)[: -self.keep] if self.keep and self.keep > 0 else []:
                     if str(old.path) != state.best_model_checkpoint:
                         for name in (COMPLETE, TRAINER_STATE):  # unmarked first: a cut deletion is not resumed from
@@ -141,6 +147,19 @@ def mark_complete_callback():
                         shutil.rmtree(old.path, ignore_errors=True)
 
     return MarkComplete()
+
+
+def _fsync(*paths: Path) -> None:
+    """Make files durable, and directories' entries (the names of what they hold)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # another rank's temp file, renamed since: that rank makes its own part durable
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def quiet_tied_weights_on_resume(model) -> None:
@@ -179,14 +198,15 @@ class Resume:
 
 def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     """How this attempt starts; ResumeError where the run directory cannot be used as asked. Rank 0 decides and
-    checks; under torchrun the other ranks take its decision (or its refusal) from the launch's store, since their own
-    look at the file system may differ (another node's view of a network filesystem, a save being removed)."""
-    run_dir, store = Path(run_dir), _launch_store()
+    checks; the other ranks take its decision (or its refusal) from the launch's store, since their own look at the
+    file system may differ (another node's view of a network filesystem, a save being removed)."""
+    run_dir, store = Path(run_dir), _launch_store(main)
     key = "colocated_grpo/resume/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart is a new launch
     if not main:
-        if store is None:  # ranks started without a torchrun agent: each decides as rank 0 does
+        if store is None:  # no rendezvous to share it through (nor then a process group): each decides as rank 0 does
             return Resume(latest(run_dir) if cfg.run.resume == "auto" else None)
         decided = json.loads(store.get(key))
+        store.add(key + "/read", 1)
         if "refused" in decided:
             raise ResumeError(decided["refused"])
         name = decided["checkpoint"]
@@ -196,6 +216,11 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     except Exception as err:
         if store is not None:
             store.set(key, json.dumps({"refused": str(err) if isinstance(err, ResumeError) else f"rank 0: {err!r}"}))
+            if _held_stores:  # hosted here: alive until every rank has read the refusal (or 30 s)
+                for _ in range(300):
+                    if store.add(key + "/read", 0) >= int(os.environ["WORLD_SIZE"]) - 1:
+                        break
+                    time.sleep(0.1)
         raise
     if store is not None:
         store.set(
@@ -204,17 +229,26 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     return resume
 
 
-def _launch_store():
-    """The torchrun agent's store, which every rank reaches before any process group exists (None for one process,
-    or ranks started without a torchrun agent)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+_held_stores = []  # the store rank 0 hosts for a launcher without an agent store, alive as long as the process
+
+
+def _launch_store(main: bool):
+    """The store every rank reaches before any process group exists (None for one process, or no MASTER_PORT):
+    torchrun's agent's; for a launcher without one (srun, the DeepSpeed launcher), one that rank 0 hosts at
+    MASTER_PORT and that the process group then joins as torchrun's workers join their agent's."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_PORT" not in os.environ:
         return None
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
+    host = main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return TCPStore(address, port, is_master=False, timeout=timedelta(minutes=10), wait_for_workers=False)
+    store = TCPStore(address, port, is_master=host, timeout=timedelta(minutes=10), wait_for_workers=False)
+    if host:
+        _held_stores.append(store)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return store
 
 
 def _decide(cfg: DictConfig, run_dir: Path) -> Resume:
@@ -328,19 +362,25 @@ def check_config(cfg: DictConfig, run_dir: Path, previous: dict) -> None:
 
 
 def trim_run_files(run_dir: Path, step: int) -> dict[str, int]:
-    """Drop records of steps after `step` from every per-step JSONL file, so the resumed run appends without
-    duplicates or gaps (and a torn last line of a killed writer goes too). Returns the dropped count per file."""
+    """Drop records of steps after `step` from every per-step JSONL file, a line at a time, so the resumed run appends
+    without duplicates or gaps (a torn last line of a killed writer goes too). Returns the dropped count per file."""
     dropped = {}
     for path in sorted(Path(run_dir).glob("*.jsonl")):
-        records = read_jsonl(path)
-        keep = [r for r in records if r.get(STEP_KEY) is None or r[STEP_KEY] <= step]
         with open(path, encoding="utf-8") as f:
-            total_lines = sum(1 for _ in f)  # torn lines included: read_jsonl skipped them
-        if len(keep) == total_lines:
-            continue
-        run_files.write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
-        dropped[path.name] = total_lines - len(keep)
+            if cut := sum(not _kept(line, step) for line in f):
+                f.seek(0)
+                run_files.write_text(path, (line.rstrip("\n") + "\n" for line in f if _kept(line, step)))
+                dropped[path.name] = cut
     return dropped
+
+
+def _kept(line: str, step: int) -> bool:
+    """A whole record of `step` or before, or of no step."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return record.get(STEP_KEY) is None or record[STEP_KEY] <= step
 
 
 def remove_incomplete(run_dir: Path) -> list[str]:

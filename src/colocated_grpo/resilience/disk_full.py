@@ -24,8 +24,8 @@ class DiskFull(RuntimeError):
     """The run directory's disk (or quota) is full; the message names it, the space left and what to do."""
 
 
-def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | None:
-    """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None."""
+def explain(exc: BaseException, run_dir: Path, then: str) -> DiskFull | None:
+    """DiskFull when `exc` (or an error it was raised from or during) ran out of space, else None; `then`: what next."""
     chain = list(exception_chain(exc))
     for dcp in [c for c in chain if type(c).__name__ == "CheckpointException"]:  # FSDP2's save: every rank's error
         chain += [e for failed, _ in dcp.failures.values() for e in exception_chain(failed)]
@@ -43,5 +43,5 @@ def explain(exc: BaseException, run_dir: Path, resume_from: str) -> DiskFull | N
     text = text if len(text) <= 160 else text[:157] + "..."
     return DiskFull(
         f"no space left on the disk of the run directory {run_dir} ({space}; {type(first).__name__}: "
-        f"{text}). Free some space, then run the same command again to resume from {resume_from}",
+        f"{text}). Free some space, then {then}",
     )

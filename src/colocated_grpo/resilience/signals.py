@@ -6,7 +6,7 @@ these functions. Standard library only: train.py installs the start-up handler b
   - start-up and loading, `run_main`: SIGTERM unwinds as StoppedAtOnce (exit 143, one line); Ctrl-C is Python's own
     KeyboardInterrupt;
   - training, `during_training`: SIGTERM and SIGINT go to the preemption callback (preemption.py), which stops every
-    rank at the end of the step with a checkpoint;
+    rank at the end of the step with a checkpoint (`stopping_at_once` for the plain-TRL bench: stopped at once);
   - the ending, `ending`: SIGTERM lets the ending go on, and stops one that hangs ENDING_GRACE_S after it began;
   - under torchrun, `stop_with_torchrun_agent`: SIGTERM when the torchrun agent dies, even by SIGKILL.
 - an orchestrator of jobs (a sweep, a study), `sigterm_as_interrupt`: SIGTERM stops it as Ctrl-C does, so that the
@@ -55,6 +55,17 @@ def during_training(handler: Callable[[int, object], None]):
     """SIGTERM and SIGINT go to `handler` while the block runs (main thread only); the previous handlers come back
     after it, or when `handler` calls the `restore` this yields."""
     return _handled(handler, (signal.SIGTERM, signal.SIGINT))
+
+
+def stopping_at_once():
+    """For a trainer that saves nothing on a signal (the plain-TRL bench): SIGTERM and Ctrl-C while the block runs
+    stop it at once (StoppedAtOnce), saying that it was in training."""
+    return _handled(_stop_in_training, (signal.SIGTERM, signal.SIGINT))
+
+
+def _stop_in_training(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    raise StoppedAtOnce(signum, f"{name} during training: stopped at once, without a checkpoint (none is saved)")
 
 
 @contextlib.contextmanager

@@ -105,15 +105,22 @@ def _predict(args) -> None:
         f"{args.gpus} GPUs, {args.model_params} B, {args.completions} completions × {args.completion_tokens:.0f} "
         f"tokens (prompt {args.prompt_tokens:.0f}); calibration: {cal['gpu']['name']}"
     )
+    error = validation.committed(args.gpus)
     print(title)
     print(
-        f"{'placement':<38} {'step s':>7} {'vs best':>8} {'tok/s/GPU':>10}  " + " ".join(f"{p[:8]:>8}" for p in PHASES)
+        f"{'placement':<38} {'step s':>7} {'± s':>6} {'vs best':>8} {'tok/s/GPU':>10}  "
+        + " ".join(f"{p[:8]:>8}" for p in PHASES)
     )
     for p in found:
         print(
-            f"{p.placement.name:<38} {p.step_s:7.2f} {p.step_s / best:7.2f}× "
+            f"{p.placement.name:<38} {p.step_s:7.2f} {p.step_s * error['median']:6.2f} {p.step_s / best:7.2f}× "
             f"{p.tokens_per_s_per_gpu(workload):10,.0f}  " + " ".join(f"{p.phases[k]:8.2f}" for k in PHASES)
         )
+    print(
+        f"± s: the step time × the model's median |error| on the {error['cases']} H200 jobs "
+        f"{'on one GPU' if args.gpus == 1 else 'on several GPUs'} it was not calibrated from: "
+        f"{error['median']:.1%} (max {error['max']:.1%}; sweeps/results/placement_model/validation.md)"
+    )
     for p in found:
         for flag in dict.fromkeys(p.flags):
             print(f"  {p.placement.name}: {flag}")

@@ -241,6 +241,12 @@ def _line(points: list[tuple[float, float]]) -> dict:
 
 
 def load(path: str | Path) -> dict:
+    if not Path(path).exists():
+        raise SystemExit(
+            f"{path}: no such file. Measure your GPU into it with `python -m colocated_grpo.bench.placement measure "
+            f"sweeps/studies/calibration_h200.yaml --dir DIR --out {path}`, or use the committed H200 calibration, "
+            "sweeps/results/placement_model/calibration_h200.json"
+        )
     calibration = read_json(Path(path))
     if not isinstance(calibration, dict) or calibration.get("format") != FORMAT or not calibration.get("models"):
         raise SystemExit(f"{path}: not a calibration file (format {FORMAT}): make one with `placement calibrate`")

@@ -3,13 +3,17 @@ error, which phase missed most, and whether the job was part of the calibration 
 
 from __future__ import annotations
 
+import csv
 import statistics
 from pathlib import Path
 
 from colocated_grpo.bench.placement import calibration as calibration_file
 from colocated_grpo.bench.placement import measured
 from colocated_grpo.bench.placement.model import Placement, Workload, predict, uncalibrated
+from colocated_grpo.provenance import REPO
 from colocated_grpo.telemetry.phases import PHASES
+
+COMMITTED = REPO / "sweeps" / "results" / "placement_model" / "validation.csv"  # of the committed H200 calibration
 
 
 def rows(calibration: dict, directories: list[str | Path]) -> list[dict]:
@@ -84,6 +88,18 @@ def summary(table: list[dict], group: str = "out of sample (multi-GPU)") -> dict
     if not errors:
         return {"cases": 0}
     return {"cases": len(errors), "median": statistics.median(errors), "max": max(errors)}
+
+
+def committed(gpus: int) -> dict:
+    """The |error| of the committed validation (sweeps/results/placement_model/validation.csv) for jobs not
+    calibrated from on `gpus` GPUs: one GPU held out, or multi-GPU."""
+    with open(COMMITTED) as f:
+        table = [
+            {**r, "in_sample": r["in_sample"] == "True", "gpus": int(r["gpus"]), "error": float(r["error"])}
+            for r in csv.DictReader(f)
+            if r["error"]
+        ]
+    return summary(table, next(label for label, rows in GROUPS.items() if rows({"in_sample": False, "gpus": gpus})))
 
 
 def markdown(table: list[dict]) -> str:

@@ -21,6 +21,7 @@ from colocated_grpo.run_files import read_json
 OURS, PLAIN = "ours", "plain_trl"
 KINDS = (OURS, PLAIN)
 PLAIN_SCRIPT = Path("src/colocated_grpo/bench/plain_trl.py")  # in the checkout, beside train.py
+STOP_GRACE_S = 60  # after Ctrl-C, what a job has to finish its step and save (its sweep's hydra.launcher.stop_grace_s)
 REPEATS, WARMUP_STEPS = 3, 1  # the defaults of `repeats` and `warmup_steps`
 LEARNING, FINAL_STEPS = {"identity", "control", "final_steps"}, 5  # the keys of `learning`; final_steps' default
 
@@ -137,6 +138,7 @@ def case_command(
     command of a study made before repeats (its one job named by the launcher)."""
     script = [f"hydra.launcher.script={repo / PLAIN_SCRIPT}"] if study["kinds"][case] == PLAIN else []
     overrides = [*script, f"model={model}", *study["common"], *study["cases"][case]]
+    overrides.append(f"hydra.launcher.stop_grace_s={STOP_GRACE_S}")
     if repeat is not None:
         overrides.append(f"telemetry.warmup_steps={study['warmup_steps']}")
         if study.get("seeds"):

@@ -1,5 +1,6 @@
 """A study directory that names no machine path, so that it can be kept with the code: after a study runs, every path
-of this machine in its files (run.json, job.json, Hydra's records, logs) is rewritten. Paths in the checkout become
+of this machine in its files (run.json, job.json, Hydra's records, logs) is rewritten, but for those of a run that
+did not finish (its resume compares its config with them). Paths in the checkout become
 relative to it (`train.py`, `conf`, `sweeps/results/NAME/runs/…`, as the commands in results.md are written, run
 from the repo root); a study directory outside the checkout becomes `OUT`; Python's packages, the model cache and the
 home directory become `<site-packages>`, `<python>`, `<cache>` and `<home>`; other temporary files (torchrun's error
@@ -46,11 +47,14 @@ def rewrite_text(text: str, roots: list[tuple[str, str]]) -> str:
     return text
 
 
-def rewrite(directory: str | Path, roots: list[tuple[str, str]]) -> list[Path]:
-    """Rewrite every text file under `directory` (see rewrite_text); returns the files that changed."""
+def rewrite(directory: str | Path, roots: list[tuple[str, str]], keep: list[Path] = ()) -> list[Path]:
+    """Rewrite every text file under `directory` (see rewrite_text) but those under `keep`; returns the files that
+    changed."""
     changed = []
     for path in sorted(Path(directory).rglob("*")):
         if not path.is_file() or path.is_symlink() or path.suffix in BINARY_SUFFIXES:
+            continue
+        if any(path.is_relative_to(kept) for kept in keep):
             continue
         try:
             text = path.read_bytes().decode()  # bytes: a log's carriage returns (progress bars) stay as they are

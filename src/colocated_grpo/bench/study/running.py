@@ -2,7 +2,7 @@
 2, …: a case and its baseline run next to each other, so a drift of the machine over the study reaches both), each
 repeat a one-job sweep through the torchrun launcher; then the standalone generation benchmarks. One step after
 another, with a progress bar (step k/N, the running job's training step, time elapsed and left); finished steps are
-kept, so running again continues the study (a failed repeat is run again)."""
+kept, so running again continues the study (an interrupted repeat resumes, a failed one is run again)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,19 @@ def run(study_file: str | Path, out: str | Path, only: list[str] | None = None) 
         )
         sys.exit(130)
     finally:
-        portable.rewrite(out, portable.machine_roots(out))  # the study's files can be kept with the code
+        # The study's files can be kept with the code; a run that did not finish keeps its own paths, which its
+        # resume compares its config against.
+        outcome = {step: _step(study, out, step, repo) for step in plan(study)}
+        unfinished = [job_dir for _, done, _, _, job_dir in outcome.values() if job_dir and not done]
+        portable.rewrite(out, portable.machine_roots(out), keep=unfinished)
+    if left := [(what, log, job_dir) for what, done, _, log, job_dir in map(outcome.get, steps) if not done]:
+        said = "; ".join(f"{what}: {describe(job) if job else f'no result, see {log}'}" for what, log, job in left)
+        print(
+            f"study not done: {len(left)} of {len(steps)} steps did not finish ({said}); run the same command "
+            "again to run them again",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     print(f"study done in {time.monotonic() - started:.0f} s; report: colocated-grpo study report {out}")
 
 
@@ -127,5 +139,6 @@ def _run_logged(command: list[str], log: Path, label: str) -> None:
     print(f"{label}: {shlex.join(command)}", flush=True)
     t0 = time.monotonic()
     log.unlink(missing_ok=True)
-    code = processes.run(command, log, grace_s=60, first_signal=signal.SIGINT)  # a failed case is in its job.json
+    # the sweep gets its job's grace and time to record it; a failed case is in its job.json
+    code = processes.run(command, log, grace_s=definition.STOP_GRACE_S + 30, first_signal=signal.SIGINT)
     print(f"    exit {code} after {time.monotonic() - t0:.0f} s (log: {log})", flush=True)
