@@ -136,7 +136,7 @@ class TimedGRPOTrainer(GRPOTrainer):
         if llm is not None and generation.enable_sleep_mode:
             # vLLM's LLM is built and called inside TRL's own VLLMGeneration methods: only its instance can be timed
             for name in ("sleep", "wake_up"):
-                setattr(llm, name, _timed(getattr(llm, name), tracker, "sleep_wake"))
+                setattr(llm, name, tracker.phase("sleep_wake")(getattr(llm, name)))  # a contextmanager decorates too
 
     @contextmanager
     def _phase(self, name: str, labelled: bool = False):
@@ -167,14 +167,6 @@ class TimedGRPOTrainer(GRPOTrainer):
     def _clip_grad_norm(self, *args, **kwargs):
         with self._phase("train"):
             return super()._clip_grad_norm(*args, **kwargs)
-
-
-def _timed(call, tracker, phase: str):
-    def timed(*args, **kwargs):
-        with tracker.phase(phase):
-            return call(*args, **kwargs)
-
-    return timed
 
 
 # ------------------------------------------------------------------------------------------------ our changes
@@ -286,12 +278,8 @@ class _GenerationStats:
     modes) or sequences (sequence modes). Kept on the device: nothing waits for the GPU between a micro-batch's
     forward and its backward; the values cross to the host once, when the generation batch is logged."""
 
-    # delta sum, delta count, delta max, ratio sum, ratio count, ratio min, ratio max
-    SUMS, MAXES, MINS = (0, 1, 3, 4), (2, 6), (5,)
-
     def __init__(self):
-        self.totals = None
-        self.micro_batches = 0
+        self.batches = []  # per micro-batch: delta sum, count and max; ratio sum, count, min and max
 
     def add(self, logps, sampling_logps, mask, ratio, per_sequence: bool) -> None:
         delta = (logps - sampling_logps).abs()
@@ -308,19 +296,14 @@ class _GenerationStats:
                 ratio.masked_fill(~counted, -math.inf).max(),
             ]
         ).float()
-        if self.totals is None:
-            self.totals = stats
-        else:
-            t = self.totals
-            t[list(self.SUMS)] += stats[list(self.SUMS)]
-            t[list(self.MAXES)] = torch.maximum(t[list(self.MAXES)], stats[list(self.MAXES)])
-            t[list(self.MINS)] = torch.minimum(t[list(self.MINS)], stats[list(self.MINS)])
-        self.micro_batches += 1
+        self.batches.append(stats)
 
     def per_process(self):
         """The five values TRL computes on each process, in IS_RATIO_METRICS' order (0 where nothing counted), as
         one tensor on the device."""
-        d_sum, d_n, d_max, r_sum, r_n, r_min, r_max = self.totals.unbind()
+        batches = torch.stack(self.batches)
+        sums, mins, maxes = batches.sum(0), batches.amin(0), batches.amax(0)
+        d_sum, d_n, d_max, r_sum, r_n, r_min, r_max = sums[0], sums[1], maxes[2], sums[3], sums[4], mins[5], maxes[6]
         zero = torch.zeros_like(d_sum)
         return torch.stack(
             [
@@ -431,7 +414,7 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         ratio = vllm_is_ratio(logps, sampling, mask, mode, *clip)
         inputs["importance_sampling_ratio"] = ratio  # read by TRL's _compute_loss after this forward
         self._stats.add(logps, sampling, mask, ratio, per_sequence=mode.startswith("sequence"))
-        if self._stats.micro_batches == self.args.steps_per_generation:  # the generation batch is done
+        if len(self._stats.batches) == self.args.steps_per_generation:  # the generation batch is done
             self._log_ratio_metrics(self._stats.per_process())
 
     def _log_ratio_metrics(self, values) -> None:
