@@ -4,6 +4,7 @@ into the directory `name_or_path` once (TRL's colocated vLLM loads the model by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -11,7 +12,6 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
@@ -21,7 +21,7 @@ from colocated_grpo.training.data import arithmetic_corpus
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Shape:
     """Architecture of a Qwen2 model: enough to build it and to validate a tensor-parallel size against it."""
 
@@ -66,7 +66,7 @@ def resolve(model_cfg) -> str:
     return str(model_cfg.name_or_path)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     """What the checks before a run need of a model, read without loading weights; `source` says where from."""
 
@@ -84,10 +84,7 @@ def architecture(model_cfg, network: bool = False) -> Architecture | None:
     if (path := local_config_json(model_cfg)) is not None:
         return _from_config_json(path)
     if model_cfg.get("build"):
-        s = SHAPES[model_cfg.build]
-        return Architecture(
-            s.num_attention_heads, s.num_key_value_heads, s.vocab_size, s.max_position_embeddings, "builder shape"
-        )
+        return _from_config(dataclasses.asdict(SHAPES[model_cfg.build]), "builder shape")
     published = model_cfg.get("published")
     if published and str(published.get("id")) == str(model_cfg.name_or_path):
         return _from_config(published, f"the published config of {published.id} (model.published)")
@@ -164,15 +161,10 @@ def _write_model(shape: Shape, out: Path) -> None:
 
     tokenizer = build_tokenizer(shape.vocab_size)
     tokenizer.save_pretrained(out)
+    dimensions = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("vocab_size", "dtype")}
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=shape.tie_word_embeddings,
+        **dimensions,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -217,7 +209,7 @@ def build_tokenizer(vocab_size: int | None = None):
 
 def _pad_vocab(tok, vocab_size: int):
     """Rebuild the BPE model with unreachable two/three-character byte-level fillers up to `vocab_size`."""
-    from itertools import product
+    from itertools import count, islice, product
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -228,12 +220,8 @@ def _pad_vocab(tok, vocab_size: int):
     fillers = ("".join(p) for n in (2, 3) for p in product(alphabet, repeat=n))
     # Special tokens live in the BPE vocab too (ids 0..2); keep ids contiguous.
     next_id = max(vocab.values()) + 1
-    for filler in fillers:
-        if next_id >= vocab_size:
-            break
-        if filler not in vocab:
-            vocab[filler] = next_id
-            next_id += 1
+    new = list(islice((f for f in fillers if f not in vocab), max(0, vocab_size - next_id)))
+    vocab.update(zip(new, count(next_id)))
     padded = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     padded.pre_tokenizer = tok.pre_tokenizer
     padded.decoder = tok.decoder
