@@ -33,7 +33,6 @@ from colocated_grpo.resilience import (
     out_of_memory,
     preemption,
     redaction,
-    startup_errors,
     wandb_rewind,
 )
 from colocated_grpo.run_files import read_jsonl
@@ -506,8 +505,8 @@ def test_gpu_free_memory_below_utilization_suggests_a_value_that_fits():
     snapshot = SimpleNamespace(total_memory=80 * GiB_bytes, free_memory=int(20.5 * GiB_bytes), device_="cuda:0")
     with pytest.raises(ValueError) as raised:
         request_memory(snapshot, SimpleNamespace(gpu_memory_utilization=0.3))
-    err = startup_errors.explain_startup_error(raised.value, _cfg("trainer.vllm_gpu_memory_utilization=0.3"))
-    assert isinstance(err, startup_errors.StartupMemoryError)
+    err = out_of_memory.explain_startup_error(raised.value, _cfg("trainer.vllm_gpu_memory_utilization=0.3"))
+    assert isinstance(err, out_of_memory.StartupMemoryError)
     assert str(err).startswith(
         "vLLM could not start: trainer.vllm_gpu_memory_utilization=0.3 asks for 0.3 x 80.0 GiB = 24.0 GiB of each "
         "GPU, but only 20.5 GiB of 80.0 GiB were free when the engine started."
@@ -521,13 +520,13 @@ def test_kv_cache_errors_name_max_model_length_and_utilization():
 
     with pytest.raises(ValueError) as no_room:
         _check_enough_kv_cache_memory(0, lambda: 1, 256, lambda mem: 0)
-    err = str(startup_errors.explain_startup_error(no_room.value, _cfg("trainer.vllm_gpu_memory_utilization=0.2")))
+    err = str(out_of_memory.explain_startup_error(no_room.value, _cfg("trainer.vllm_gpu_memory_utilization=0.2")))
     assert "vLLM has no memory left for its KV cache: trainer.vllm_gpu_memory_utilization=0.2" in err
     assert "lower trainer.vllm_max_model_length=256" in err
 
     with pytest.raises(ValueError) as too_small:
         _check_enough_kv_cache_memory(2**30, lambda: 3 * 2**30, 4096, lambda mem: 1365)
-    err = str(startup_errors.explain_startup_error(too_small.value, _cfg("trainer.vllm_max_model_length=4096")))
+    err = str(out_of_memory.explain_startup_error(too_small.value, _cfg("trainer.vllm_max_model_length=4096")))
     budget = "run.cpu_kvcache_gb=1" if not torch.cuda.is_available() else "trainer.vllm_gpu_memory_utilization=0.3"
     assert (
         f"vLLM's KV cache cannot hold one sequence of trainer.vllm_max_model_length=4096: it needs 3.0 GiB, but "
@@ -537,8 +536,8 @@ def test_kv_cache_errors_name_max_model_length_and_utilization():
 
 def test_cuda_oom_at_startup_is_explained_and_other_errors_are_left_alone():
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert "out of GPU memory while starting" in str(startup_errors.explain_startup_error(oom, _cfg()))
-    assert startup_errors.explain_startup_error(ValueError("some other problem"), _cfg()) is None
+    assert "out of GPU memory while starting" in str(out_of_memory.explain_startup_error(oom, _cfg()))
+    assert out_of_memory.explain_startup_error(ValueError("some other problem"), _cfg()) is None
 
 
 def _oom_in(function_name: str) -> torch.OutOfMemoryError:

@@ -34,9 +34,8 @@ from colocated_grpo.resilience import (
 from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.disk_full import DiskFull
 from colocated_grpo.resilience.nonfinite import NonFiniteError
-from colocated_grpo.resilience.out_of_memory import TrainingMemoryError
+from colocated_grpo.resilience.out_of_memory import StartupMemoryError, TrainingMemoryError
 from colocated_grpo.resilience.preemption import TrainingInterrupted
-from colocated_grpo.resilience.startup_errors import StartupMemoryError
 from colocated_grpo.telemetry.phases import PHASES
 from colocated_grpo.training import build, config, preflight, prompt_lengths, wandb_logging
 from colocated_grpo.training.config import ConfigError
@@ -301,5 +300,5 @@ def _explain_disk_full(exc: BaseException, run_dir: Path, main: bool) -> disk_fu
 
 
 def _explain_out_of_memory(exc: BaseException, cfg: DictConfig, trainer) -> out_of_memory.TrainingMemoryError | None:
-    """TrainingMemoryError for a GPU out of memory once the trainer is built (building it has startup_errors)."""
+    """TrainingMemoryError for a GPU out of memory once the trainer is built (building it has explain_startup_error)."""
     return None if trainer is None else out_of_memory.explain(exc, cfg, trainer.state.global_step + 1)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from colocated_grpo import run_files
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.resilience import checkpoints, preemption, startup_errors, wandb_rewind
+from colocated_grpo.resilience import checkpoints, out_of_memory, preemption, wandb_rewind
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.run_files import STEP_KEY, JsonlWriter
 from colocated_grpo.telemetry import step_line
@@ -48,7 +48,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
             one_forward=bool(placement.get("one_forward")),
         )
     except Exception as exc:
-        if (explained := startup_errors.explain_startup_error(exc, cfg)) is None:
+        if (explained := out_of_memory.explain_startup_error(exc, cfg)) is None:
             raise
         raise explained from exc
     checkpoints.quiet_tied_weights_on_resume(trainer.model)
