@@ -9,9 +9,9 @@ import pytest
 
 from colocated_grpo.telemetry import nvml
 from colocated_grpo.telemetry.aggregate import RankReport, SteadyState, label_samples, step_metrics
+from colocated_grpo.telemetry.callback import format_line
 from colocated_grpo.telemetry.nvml import Sample
 from colocated_grpo.telemetry.phases import PhaseTracker, StepPhases
-from colocated_grpo.telemetry.step_line import format_line
 
 
 class FakeClock:

@@ -17,8 +17,7 @@ from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.resilience import checkpoints, out_of_memory, preemption, wandb_rewind
 from colocated_grpo.resilience.nonfinite import StopOnNonFinite
 from colocated_grpo.run_files import STEP_KEY, JsonlWriter
-from colocated_grpo.telemetry import step_line
-from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
+from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback, install_step_line
 from colocated_grpo.telemetry.profile import ProfileStep
 from colocated_grpo.training import config, models, preflight, rewards
 
@@ -65,7 +64,7 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
     trainer.add_callback(metrics_file)
     if telemetry is not None:
         trainer.add_callback(telemetry)
-    step_line.install(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
+    install_step_line(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
     trainer.add_callback(wandb_rewind.RecordWandbStep())
     trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
     if t.profile_step:
