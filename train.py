@@ -5,10 +5,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from colocated_grpo.launch import config_groups, run_start
+from colocated_grpo.launch import config_groups
 from colocated_grpo.resilience import signals
 
-run_start.register()  # ${run_start:…} in conf/train.yaml: one run directory for all ranks
+config_groups.register_run_start()  # ${run_start:…} in conf/train.yaml: one run directory for all ranks
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

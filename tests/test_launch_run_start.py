@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 PRINT = (
-    "import time; from omegaconf import OmegaConf; from colocated_grpo.launch import run_start; run_start.register(); "
+    "import time; from omegaconf import OmegaConf; from colocated_grpo.launch import config_groups; "
+    "config_groups.register_run_start(); "
     "print(OmegaConf.create({'d': '${run_start:%H-%M-%S}'}).d, time.strftime('%H-%M-%S'))"
 )
 # A stand-in for the torchrun agent: starts two "ranks" 1.5 s apart (TORCHELASTIC_RUN_ID and LOCAL_RANK set, as

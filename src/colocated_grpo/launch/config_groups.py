@@ -1,12 +1,14 @@
-"""The config groups as a user meets them: a group's old name on the command line is refused in one line that names
-the new one, and the composed default config is kept as a file (docs/config_reference.yaml) with the groups that set
-each of its sections.
+"""The configs as a user meets them: a group's old name on the command line is refused in one line that names the new
+one, the composed default config is kept as a file (docs/config_reference.yaml) with the groups that set each of its
+sections, and `${run_start:FORMAT}` names the run directory.
 
     colocated-grpo config-reference        # writes docs/config_reference.yaml again after a change in conf/
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 from colocated_grpo.resilience import process_end
@@ -46,6 +48,19 @@ def refuse_renamed_groups(argv: list[str]) -> None:
         if message := renamed(override):
             process_end.report_failure(RenamedGroup(message), explained=True)
             process_end.exit_now(1)
+
+
+def register_run_start() -> None:
+    """Make `${run_start:FORMAT}` (strftime FORMAT, local time) available to the configs: the start of the torchrun
+    agent all of a node's ranks share (their parent), or of the process itself when torchrun did not start it. Hydra's
+    `${now:…}` is resolved by each process: ranks that start in different seconds would name different directories."""
+    import psutil
+    from omegaconf import OmegaConf
+
+    started = psutil.Process(os.getppid() if process_end.torchrun_worker() else os.getpid()).create_time
+    OmegaConf.register_new_resolver(
+        "run_start", lambda fmt: time.strftime(fmt, time.localtime(started())), replace=True, use_cache=True
+    )
 
 
 def reference(repo: Path) -> str:
