@@ -26,7 +26,7 @@ from omegaconf import DictConfig, open_dict
 
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat.hydra import output_dir, task_overrides
-from colocated_grpo.launch import run_start
+from colocated_grpo.launch import config_groups
 from colocated_grpo.resilience import attempts, checkpoints, signals
 from colocated_grpo.training import config
 
@@ -40,7 +40,7 @@ RUN_FILES = (
     run_files.PHASES,
 )
 
-run_start.register()  # ${run_start:…} in conf/train.yaml, as train.py does
+config_groups.register_run_start()  # ${run_start:…} in conf/train.yaml, as train.py does
 
 
 @hydra.main(config_path=str(provenance.REPO / "conf"), config_name="train", version_base="1.3")
