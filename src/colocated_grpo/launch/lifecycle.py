@@ -13,6 +13,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from colocated_grpo import provenance, run_files
@@ -118,7 +119,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     # Checks, before W&B starts and the model loads: a refusal is recorded in run.json.
     with _refusals_recorded(run_dir, rank0):
         config.validate(cfg, world)
-        _refuse_gpu_only_settings_without_gpu(cfg)
+        if not torch.cuda.is_available() and (problems := config.gpu_only_problems(cfg)):
+            raise ConfigError(problems)
         wandb_logging.refuse_online_without_credentials(cfg)
         resume = checkpoints.plan(cfg, run_dir, rank0)  # refused before the data is built (its run.json is kept)
         report_to = ["wandb"] if cfg.logger.backend == "wandb" and rank0 else []  # TRL logs to W&B from rank 0
@@ -156,7 +158,9 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         status, exit_code = "interrupted", getattr(stop, "code", 130)
         raise
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
-        error = _explain_disk_full(exc, run_dir, rank0) or _explain_out_of_memory(exc, cfg, trainer) or exc
+        # a GPU out of memory once the trainer is built (building it has explain_startup_error)
+        oom = trainer is not None and out_of_memory.explain(exc, cfg, trainer.state.global_step + 1)
+        error = _explain_disk_full(exc, run_dir, rank0) or oom or exc
         if error is not exc:
             raise error from exc
         raise
@@ -261,13 +265,6 @@ def launched_world_size(cfg: DictConfig) -> int:
     return world
 
 
-def _refuse_gpu_only_settings_without_gpu(cfg: DictConfig) -> None:
-    import torch
-
-    if not torch.cuda.is_available() and (problems := config.gpu_only_problems(cfg)):
-        raise config.ConfigError(problems)
-
-
 def _ending_part(what: str, part, failed: list[Exception]) -> None:
     try:
         part()
@@ -296,8 +293,3 @@ def _explain_disk_full(exc: BaseException, run_dir: Path, main: bool) -> disk_fu
     if full is not None and main:
         checkpoints.remove_incomplete(run_dir)
     return full
-
-
-def _explain_out_of_memory(exc: BaseException, cfg: DictConfig, trainer) -> out_of_memory.TrainingMemoryError | None:
-    """TrainingMemoryError for a GPU out of memory once the trainer is built (building it has explain_startup_error)."""
-    return None if trainer is None else out_of_memory.explain(exc, cfg, trainer.state.global_step + 1)

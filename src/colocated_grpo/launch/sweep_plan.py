@@ -81,7 +81,7 @@ def plan(
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):
             overrides = list(overrides)
             job_cfg = hydra_context.config_loader.load_sweep_config(config, overrides)
-            swept = [o for o in overrides if _key(o) in swept_keys]
+            swept = [o for o in overrides if o.split("=", 1)[0].lstrip("~+") in swept_keys]  # key of `~+key=value`
             with open_dict(job_cfg):
                 job_cfg.hydra.job.id = str(num)
                 job_cfg.hydra.job.num = num
@@ -137,10 +137,6 @@ def sweep_keys(config: DictConfig) -> set[str]:
 def wandb_group(config: DictConfig) -> str:
     """The W&B group of a sweep's runs: the name of its directory (time and sweep name)."""
     return Path(str(config.hydra.sweep.dir)).name
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("~+")
 
 
 def quote(value: str) -> str:

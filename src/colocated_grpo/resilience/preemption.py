@@ -11,6 +11,8 @@ import signal
 import time
 from contextlib import contextmanager
 
+import torch
+from accelerate.utils import gather
 from transformers import TrainerCallback
 
 from colocated_grpo.resilience import signals
@@ -68,14 +70,8 @@ class StopOnSignal(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._steps_done = state.global_step
-        if signum := _max_over_ranks(self.signum or 0, args):
+        # any rank's signal, the same on every rank (a gather: itself on one process)
+        if signum := int(gather(torch.tensor([self.signum or 0], dtype=torch.int64, device=args.device)).max()):
             self.signum = self.signum or signum
             self.stopped_at = state.global_step
             control.should_save = control.should_training_stop = True
-
-
-def _max_over_ranks(value: int, args) -> int:
-    import torch
-    from accelerate.utils import gather
-
-    return int(gather(torch.tensor([value], dtype=torch.int64, device=args.device)).max())  # itself on one process
