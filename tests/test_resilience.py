@@ -29,7 +29,6 @@ from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
 from colocated_grpo.provenance import REPO
 from colocated_grpo.resilience import (
     checkpoints,
-    nonfinite,
     out_of_memory,
     preemption,
     redaction,
@@ -600,9 +599,9 @@ def test_ctrl_c_stops_at_the_end_of_the_step_and_a_late_repeat_stops_at_once(mon
 
 def test_non_finite_loss_stops_training(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    callback, state = nonfinite.StopOnNonFinite(), TrainerState(global_step=7)
+    callback, state = preemption.StopOnNonFinite(), TrainerState(global_step=7)
     callback.on_log(args, state, TrainerControl(), logs={"loss": 0.5, "reward": 1.0, "grad_norm": 2.0})
-    with pytest.raises(nonfinite.NonFiniteError, match=r"non-finite loss=nan, reward=inf at step 7"):
+    with pytest.raises(preemption.NonFiniteError, match=r"non-finite loss=nan, reward=inf at step 7"):
         callback.on_log(args, state, TrainerControl(), logs={"loss": float("nan"), "reward": float("inf")})
 
 

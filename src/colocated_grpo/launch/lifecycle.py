@@ -33,9 +33,8 @@ from colocated_grpo.resilience import (
 )
 from colocated_grpo.resilience.checkpoints import ResumeError
 from colocated_grpo.resilience.disk_full import DiskFull
-from colocated_grpo.resilience.nonfinite import NonFiniteError
 from colocated_grpo.resilience.out_of_memory import StartupMemoryError, TrainingMemoryError
-from colocated_grpo.resilience.preemption import TrainingInterrupted
+from colocated_grpo.resilience.preemption import NonFiniteError, TrainingInterrupted
 from colocated_grpo.telemetry.phases import PHASES
 from colocated_grpo.training import build, config, preflight, prompt_lengths, wandb_logging
 from colocated_grpo.training.config import ConfigError

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from colocated_grpo import run_files
 from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.resilience import checkpoints, out_of_memory, preemption, wandb_rewind
-from colocated_grpo.resilience.nonfinite import StopOnNonFinite
+from colocated_grpo.resilience.preemption import StopOnNonFinite
 from colocated_grpo.run_files import STEP_KEY, JsonlWriter
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback, install_step_line
 from colocated_grpo.telemetry.profile import ProfileStep
