@@ -37,7 +37,7 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
     """Raise ConfigError listing every problem found. Reads no weights, only config.json and local data files."""
     if world is None:  # the processes: torchrun's WORLD_SIZE when launched, else what the sweep launcher will start
         world = int(os.environ.get("WORLD_SIZE") or OmegaConf.select(cfg, "parallelism.nproc_per_node", default=1))
-    problems = missing_problems(cfg)
+    problems = [f"{k} is not set (???): {MISSING_FIXES.get(k, f'set it with {k}=<value>')}" for k in _missing_keys(cfg)]
     field_problems = trainer_field_problems(cfg.trainer)
     problems += field_problems
     if not field_problems:  # the checks below read trainer values as the types they must have
@@ -57,7 +57,7 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
         raise ConfigError(problems)
 
 
-# What a value left as ??? needs, by key; other keys get a generic message.
+# What a mandatory value left as ??? needs, by key; other keys get a generic message.
 MISSING_FIXES = {
     "model.name_or_path": "model=local needs the model: model.name_or_path=/path/to/model (a directory with "
     "config.json) or a hub id such as model.name_or_path=Qwen/Qwen2-0.5B-Instruct",
@@ -65,13 +65,6 @@ MISSING_FIXES = {
     "parquet or csv)",
     "data.path": "data=hub needs the dataset: data.path=<hub name, e.g. trl-lib/tldr, or a local directory or file>",
 }
-
-
-def missing_problems(cfg: DictConfig) -> list[str]:
-    """Every mandatory value (???) left unset, with what to set it to."""
-    return [
-        f"{key} is not set (???): {MISSING_FIXES.get(key, f'set it with {key}=<value>')}" for key in _missing_keys(cfg)
-    ]
 
 
 def _missing_keys(node, prefix: str = "") -> list[str]:
