@@ -35,11 +35,6 @@ from colocated_grpo.run_files import now
 log = logging.getLogger(__name__)
 
 
-def server_command(job: Job, script: str) -> list[str]:
-    """A server-placement job is one plain process: it starts the server and its own torchrun (server_placement.py)."""
-    return [sys.executable, script, f"hydra.run.dir={quote(job.dir)}", *job.overrides]
-
-
 def torchrun_command(job: Job, script: str, master_port: int, **node) -> list[str]:
     """The command that runs one job (on one node of it: `node` holds node_rank, master_addr, extra_args)."""
     args = [f"hydra.run.dir={quote(job.dir)}", *job.overrides]
@@ -143,8 +138,9 @@ def launch_local(hydra_context, config: DictConfig, task_function, job_overrides
     try:
         with sigterm_as_interrupt(), Progress("sweep", len(runnable), say=log.info) as shown:
             for job in runnable:
+                # a server-placement job is one plain process: it starts the server and its own torchrun
                 command = (
-                    server_command(job, script)
+                    [sys.executable, script, f"hydra.run.dir={quote(job.dir)}", *job.overrides]
                     if job.server
                     else torchrun_command(job, script, free_port(), extra_args=opts.torchrun_args)
                 )
