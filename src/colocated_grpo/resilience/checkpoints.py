@@ -105,10 +105,6 @@ def checkpoints(run_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def unreadable(run_dir: Path) -> list[Unreadable]:
-    return sorted((s for _, s in _checkpoint_dirs(run_dir) if isinstance(s, Unreadable)), key=lambda u: u.step)
-
-
 def latest(run_dir: Path) -> Checkpoint | None:
     found = checkpoints(run_dir)
     return found[-1] if found else None
@@ -263,7 +259,8 @@ def _decide(cfg: DictConfig, run_dir: Path) -> Resume:
             "choose a new hydra.run.dir, or set run.resume=auto to continue that run"
         )
     checkpoint = latest(run_dir)
-    if newer := [u for u in unreadable(run_dir) if checkpoint is None or u.step > checkpoint.step]:
+    unreadable = [s for _, s in _checkpoint_dirs(run_dir) if isinstance(s, Unreadable)]
+    if newer := sorted((u for u in unreadable if checkpoint is None or u.step > checkpoint.step), key=lambda u: u.step):
         raise ResumeError(
             f"{run_dir}: cannot tell whether {', '.join(u.path.name for u in newer)} is complete "
             f"({newer[-1].error.strerror or newer[-1].error}: {newer[-1].error.filename or newer[-1].path}), so it "
