@@ -68,11 +68,12 @@ class Progress:
         self._bar = self._task = None
 
     def __enter__(self) -> Progress:
+        self._exits = contextlib.ExitStack()
         if self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as Bar
 
-            self._bar = Bar(
+            bar = Bar(
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
@@ -82,16 +83,13 @@ class Progress:
                 redirect_stdout=True,
                 redirect_stderr=True,
             )
-            self._bar.start()
+            self._bar = self._exits.enter_context(bar)  # started here, stopped on exit
             self._task = self._bar.add_task(self.what, total=self.total, job="", left="?")
-            self._logs = _logs_to_current_streams()
-            self._logs.__enter__()
+            self._exits.enter_context(_logs_to_current_streams())
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._logs.__exit__(*exc)
-            self._bar.stop()
+        self._exits.__exit__(*exc)
 
     def skip(self, label: str) -> None:
         self.done += 1
