@@ -225,7 +225,7 @@ import sys
 from pathlib import Path
 from omegaconf import OmegaConf
 from colocated_grpo.launch import processes, server_placement as server
-from colocated_grpo.resilience import signals
+from colocated_grpo.resilience import process_end, signals
 from colocated_grpo.resilience.preemption import TrainingInterrupted
 run_dir, trainer, served = map(Path, sys.argv[1:4])
 NPROC = int(sys.argv[4])
@@ -239,7 +239,7 @@ def main():
     try:
         server.launch(cfg, plan, run_dir, ["trainer.max_steps=30"], "model")
     except TrainingInterrupted as stopped:
-        signals.exit_now(stopped.code)
+        process_end.exit_now(stopped.code)
 signals.run_main(main)
 """
 

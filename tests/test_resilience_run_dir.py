@@ -20,7 +20,7 @@ from conftest import assert_stops_with_its_parent, run_bounded, run_environment
 from test_resilience import FAULTY, Job
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
-from colocated_grpo.resilience import checkpoints, run_dir_guard, signals
+from colocated_grpo.resilience import checkpoints, process_end, run_dir_guard
 
 
 def _train(run_dir: str, model_cache: Path, cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -85,7 +85,7 @@ def test_claiming_is_idempotent_in_a_process_and_inherited_by_its_children(tmp_p
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# What a run prints: a failure (resilience/signals.py), not a resume's tied weights (resilience/checkpoints.py)
+# What a run prints: a failure (resilience/process_end.py), not a resume's tied weights (resilience/checkpoints.py)
 
 
 def test_a_missing_tied_weight_on_resume_is_not_reported_and_any_other_missing_key_is(caplog):
@@ -125,18 +125,18 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
         # one process: the message alone for an error that explains itself, the traceback too for any other
         monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
         monkeypatch.setenv("LOCAL_RANK", "0")  # left over in the environment: still no torchrun launch
-        signals.report_failure(_raised(_Explained("what to change")), explained=True)
-        signals.report_failure(_raised(KeyError("surprise")), explained=False)
+        process_end.report_failure(_raised(_Explained("what to change")), explained=True)
+        process_end.report_failure(_raised(KeyError("surprise")), explained=False)
         err = capsys.readouterr().err
         assert err.startswith("_Explained: what to change\nTraceback (most recent call last):")
         assert err.rstrip().endswith("KeyError: 'surprise'") and err.count("Traceback") == 1
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch")
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
         # two ranks of one torchrun launch (same parent) fail: the first to report says it, the other stays quiet
-        monkeypatch.setattr(signals, "OTHER_RANKS_WAIT_S", 1.0)
+        monkeypatch.setattr(process_end, "OTHER_RANKS_WAIT_S", 1.0)
         claims = tmp_path / "claims"
         claims.mkdir()
-        monkeypatch.setattr(signals, "CLAIMS_DIR", claims)
+        monkeypatch.setattr(process_end, "CLAIMS_DIR", claims)
         ended = subprocess.Popen([sys.executable, "-c", "pass"])  # the claim of a launch whose agent has ended
         stale = claims / f"colocated-grpo-failure-{ended.pid}-{psutil.Process(ended.pid).create_time():.0f}"
         ended.wait()
@@ -146,13 +146,13 @@ def test_a_failure_is_printed_once_per_launch_with_its_traceback_in_the_log_file
             monkeypatch.setenv("LOCAL_RANK", rank)
             monkeypatch.setenv("RANK", rank)
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-            signals.report_failure(_raised(_Explained(f"on rank {rank}")), explained=True)
+            process_end.report_failure(_raised(_Explained(f"on rank {rank}")), explained=True)
         assert capsys.readouterr().err == "_Explained: on rank 1\n"
         reported = json.loads(error_file.read_text())["message"]
         assert reported["message"] == "_Explained: on rank 1"
         # stamped when rank 1 failed, before its wait: torchrun takes the earliest stamp (in seconds) for the root
         # cause, and a rank that failed after it and said nothing is stamped when torchrun saw it end
-        assert int(reported["extraInfo"]["timestamp"]) <= time.time() - signals.OTHER_RANKS_WAIT_S
+        assert int(reported["extraInfo"]["timestamp"]) <= time.time() - process_end.OTHER_RANKS_WAIT_S
         agent = psutil.Process(os.getppid())
         live = f"colocated-grpo-failure-{agent.pid}-{agent.create_time():.0f}-0"
         assert [p.name for p in claims.iterdir()] == [live], "the live launch's claim stays, the ended one's is gone"

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, open_dict
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat.hydra import output_dir, task_overrides
 from colocated_grpo.launch import config_groups
-from colocated_grpo.resilience import attempts, checkpoints, signals
+from colocated_grpo.resilience import attempts, checkpoints, process_end, signals
 from colocated_grpo.training import config
 
 KIND = "plain_trl"
@@ -68,15 +68,15 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.run_main; in training signals.stopping_at_once)
         record.end("interrupted")
         print(str(stop) or "KeyboardInterrupt: stopped at once", file=sys.stderr, flush=True)
-        signals.exit_now(getattr(stop, "code", 130))
+        process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         signals.ending()
         record.end("failed", exc)
-        signals.report_failure(exc, explained=isinstance(exc, config.ConfigError))
-        signals.exit_now(1)
+        process_end.report_failure(exc, explained=isinstance(exc, config.ConfigError))
+        process_end.exit_now(1)
     record.end("finished")
     # Ends at once: the interpreter's teardown can abort on vLLM's native threads, as train.py's does
-    signals.exit_now(0)
+    process_end.exit_now(0)
 
 
 def workload(cfg: DictConfig, run_dir: Path):

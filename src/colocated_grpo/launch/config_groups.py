@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from colocated_grpo.resilience import signals
+from colocated_grpo.resilience import process_end
 
 RENAMED = {"vllm": "placement"}  # old group name: new group name
 REFERENCE = Path("docs") / "config_reference.yaml"  # in the checkout
@@ -46,8 +46,8 @@ def refuse_renamed_groups(argv: list[str]) -> None:
     group, instead of Hydra's "Could not override" error."""
     for override in argv:
         if message := renamed(override):
-            signals.report_failure(RenamedGroup(message), explained=True)
-            signals.exit_now(1)
+            process_end.report_failure(RenamedGroup(message), explained=True)
+            process_end.exit_now(1)
 
 
 def register_run_start() -> None:
@@ -57,7 +57,7 @@ def register_run_start() -> None:
     import psutil
     from omegaconf import OmegaConf
 
-    started = psutil.Process(os.getppid() if signals.torchrun_worker() else os.getpid()).create_time
+    started = psutil.Process(os.getppid() if process_end.torchrun_worker() else os.getpid()).create_time
     OmegaConf.register_new_resolver(
         "run_start", lambda fmt: time.strftime(fmt, time.localtime(started())), replace=True, use_cache=True
     )

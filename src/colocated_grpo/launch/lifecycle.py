@@ -27,6 +27,7 @@ from colocated_grpo.resilience import (
     disk_full,
     out_of_memory,
     preemption,
+    process_end,
     redaction,
     run_dir_guard,
     signals,
@@ -91,17 +92,17 @@ def main(cfg: DictConfig) -> None:
         else:
             run(cfg)
             # Ends at once: the interpreter's teardown can abort on vLLM's native threads (exit -6, "terminate called")
-            signals.exit_now(0)
+            process_end.exit_now(0)
     except TrainingInterrupted as stopped:  # already said, with the command that resumes it
-        signals.exit_now(stopped.code)
+        process_end.exit_now(stopped.code)
     except KeyboardInterrupt as stop:  # SIGTERM in start-up, a signal repeated in training, a second Ctrl-C
         if build.is_main_process():
             print(str(stop) or "KeyboardInterrupt: stopped at once, without a checkpoint", flush=True)
-        signals.exit_now(getattr(stop, "code", 130))
+        process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         signals.ending()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
-        signals.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
-        signals.exit_now(1)
+        process_end.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
+        process_end.exit_now(1)
 
 
 def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:

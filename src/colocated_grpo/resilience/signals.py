@@ -1,7 +1,6 @@
 """Every signal handler of the package, one per process role and phase; no other module installs one (a test checks
 it). What each does is the table "What a signal does, by process and phase" in docs/resilience.md, whose rows name
-these functions. Also how a process ends: on a failure (`report_failure`, printed once per launch) or at once
-(`exit_now`). Standard library only: train.py installs the start-up handler before anything heavy is imported.
+these functions. Standard library only: train.py installs the start-up handler before anything heavy is imported.
 
 - a trainer (`python train.py`, a torchrun worker, the server placement's orchestrator, the plain-TRL bench):
   - start-up and loading, `run_main`: SIGTERM unwinds as StoppedAtOnce (exit 143, one line); Ctrl-C is Python's own
@@ -17,21 +16,13 @@ these functions. Also how a process ends: on a failure (`report_failure`, printe
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
-import os
 import signal
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-from colocated_grpo import run_files
-
-log = logging.getLogger(__name__)
+from colocated_grpo.resilience.process_end import exit_now, torchrun_worker
 
 ENDING_GRACE_S = 10.0  # how long a run's ending may take before a SIGTERM received in it is honoured
 _ending_since: float | None = None
@@ -125,6 +116,7 @@ def stop_with_torchrun_agent() -> None:
     """Under torchrun, receive SIGTERM when the agent (this process's parent) dies, even by SIGKILL, and stop as a
     preempted run does, rather than train on orphaned in a session of its own. Linux only."""
     import ctypes
+    import os
 
     if not torchrun_worker() or not sys.platform.startswith("linux"):
         return
@@ -142,85 +134,3 @@ def sigterm_as_interrupt():
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-# ------------------------------------------------------------------------------------------ how a process ends
-
-OTHER_RANKS_WAIT_S = 2.0  # a failing rank other than 0 lets a failing rank 0 report first
-CLAIMS_DIR = Path(tempfile.gettempdir())  # where the ranks of one launch claim its failure report
-CLAIM_PREFIX = "colocated-grpo-failure-"
-
-
-def torchrun_worker() -> bool:
-    """Started by torchrun (its agent sets TORCHELASTIC_RUN_ID; a LOCAL_RANK alone may be left over)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def report_failure(exc: BaseException, explained: bool, show_cause: bool = False) -> None:
-    """Log `exc` with its traceback to the log files; print it on the console once per launch (a traceback only
-    when not `explained`; with `show_cause`, the traceback of its cause, e.g. the frames of a user's reward), and
-    to torchrun's error file, so that its closing block names the error instead of "To enable traceback see …"."""
-    failed_at = str(int(time.time()))  # before the wait below: torchrun's root cause is the earliest failure
-    line = f"{type(exc).__name__}: {exc}"
-    run_files.log_to_files(log, logging.ERROR, "run failed", (type(exc), exc, exc.__traceback__))
-    if not _first_to_report():
-        return
-    if not explained:
-        traceback.print_exception(exc)  # its last line is `line`
-    else:
-        if show_cause and exc.__cause__ is not None:
-            traceback.print_exception(exc.__cause__)
-        print(line, file=sys.stderr)
-    sys.stderr.flush()
-    # Not torch's ErrorHandler.record_exception: it writes the whole traceback, which torchrun's closing block repeats
-    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        info = {"py_callstack": line, "timestamp": failed_at}
-        Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
-
-
-def exit_now(code: int) -> None:
-    """End the process without the interpreter's teardown, which prints dozens of `nanobind: leaked …` lines."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _first_to_report() -> bool:
-    """Whether this process reports its launch's failure: the only process does, else the first of the launch's
-    processes on this node to claim it (rank 0 gets a head start). Not rank 0 alone: when another rank fails first,
-    rank 0 fails in the next collective and would print that consequence (a gather cut off by the peer) instead of
-    the cause (test_a_failing_two_rank_run_prints_its_error_once_without_the_libraries_noise)."""
-    if not torchrun_worker():
-        return True
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    if not rank0:
-        time.sleep(OTHER_RANKS_WAIT_S)
-    import psutil
-
-    agent = psutil.Process(os.getppid())  # the torchrun agent: the ranks' parent, one claim per launch and node
-    # a claim stays while its agent lives (another rank may fail minutes later); later claims remove the rest
-    _remove_claims_of_ended_agents()
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent restarting its workers: a new launch
-    claim = CLAIMS_DIR / f"{CLAIM_PREFIX}{agent.pid}-{agent.create_time():.0f}-{restart}"
-    try:
-        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-    except OSError:
-        return rank0
-
-
-def _remove_claims_of_ended_agents() -> None:
-    import psutil
-
-    for claim in CLAIMS_DIR.glob(f"{CLAIM_PREFIX}*-*"):
-        pid, started, *_ = [*claim.name.removeprefix(CLAIM_PREFIX).split("-"), ""]
-        try:
-            alive = f"{psutil.Process(int(pid)).create_time():.0f}" == started
-        except (ValueError, psutil.Error):
-            alive = False
-        if not alive:
-            with contextlib.suppress(OSError):  # another user's, in a shared temp dir: theirs to remove
-                claim.unlink()
