@@ -5,7 +5,6 @@ by default; recomputing every layer's forward in the backward costs about a fift
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -46,10 +45,9 @@ def choose(cfg: DictConfig, longest_prompt: int | None) -> tuple[dict, str | Non
     if not cfg.run.get("auto_memory") or "gradient_checkpointing" in cfg.trainer:
         return {}, None
     keep = "gradient checkpointing: on (TRL's default)"
-    model_config = _model_config(cfg)
-    if model_config is None:
+    if (path := models.local_config_json(cfg.model)) is None:
         return {"gradient_checkpointing": True}, f"{keep}: the model's config.json is not on this machine"
-    need = training_need(cfg, model_config, longest_prompt)
+    need = training_need(cfg, models.config_keys(path), longest_prompt)
     budget, where = budget_bytes(cfg)
     room = budget * USABLE - RESERVED
     off = need.without_checkpointing <= room
@@ -61,14 +59,6 @@ def choose(cfg: DictConfig, longest_prompt: int | None) -> tuple[dict, str | Non
         f"trainer.gradient_checkpointing={'true' if off else 'false'} overrides"
     )
     return {"gradient_checkpointing": not off}, line
-
-
-def _model_config(cfg: DictConfig) -> dict | None:
-    path = models.local_config_json(cfg.model)
-    if path is None:
-        return None
-    found = json.loads(path.read_text())
-    return found.get("text_config", found)
 
 
 def _sequence(cfg: DictConfig, longest_prompt: int | None) -> int:

@@ -82,7 +82,7 @@ def architecture(model_cfg, network: bool = False) -> Architecture | None:
     hub id already in the Hugging Face cache), the builder's shape, what the preset declares for its own hub id
     (`published`, ignored once name_or_path names another model), and, with `network`, the hub. None: unknown."""
     if (path := local_config_json(model_cfg)) is not None:
-        return _from_config_json(path)
+        return _from_config(config_keys(path), str(path))
     if model_cfg.get("build"):
         return _from_config(dataclasses.asdict(SHAPES[model_cfg.build]), "builder shape")
     published = model_cfg.get("published")
@@ -91,7 +91,8 @@ def architecture(model_cfg, network: bool = False) -> Architecture | None:
     if network:
         from huggingface_hub import hf_hub_download
 
-        return _from_config_json(Path(hf_hub_download(str(model_cfg.name_or_path), "config.json")))
+        path = Path(hf_hub_download(str(model_cfg.name_or_path), "config.json"))
+        return _from_config(config_keys(path), str(path))
     return None
 
 
@@ -109,9 +110,10 @@ def local_config_json(model_cfg) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
-def _from_config_json(path: Path) -> Architecture:
+def config_keys(path: Path) -> dict:
+    """A config.json's keys; a multimodal model's: its language model's (`text_config`)."""
     config = json.loads(path.read_text())
-    return _from_config(config.get("text_config", config), str(path))  # multimodal models: the language model's
+    return config.get("text_config", config)
 
 
 def _from_config(config, source: str) -> Architecture:
