@@ -11,16 +11,7 @@ import os
 import re
 import traceback
 
-from colocated_grpo.compat.vllm import (
-    CPU_FREE,
-    CPU_KV,
-    CUDA_OOM,
-    GPU_FREE,
-    KV_TOO_SMALL,
-    NO_CACHE,
-    first_matching,
-    memory_failure,
-)
+from colocated_grpo.compat import vllm as vllm_internals
 
 SIZE = r"([\d.]+) (B|KiB|MiB|GiB|TiB)"
 TRIED = re.compile(rf"Tried to allocate {SIZE}")
@@ -37,7 +28,7 @@ class TrainingMemoryError(RuntimeError):
 def explain(exc: BaseException, cfg, step: int | None) -> TrainingMemoryError | None:
     """A TrainingMemoryError for a CUDA out-of-memory error anywhere in `exc`'s chain; None for any other error.
     `step` is the step it happened in (None before the first). The caller raises it `from exc`."""
-    oom = first_matching(exc, (CUDA_OOM,))
+    oom = vllm_internals.first_matching(exc, (vllm_internals.CUDA_OOM,))
     if oom is None:
         return None
     where, engine_side = _where(oom)
@@ -133,14 +124,14 @@ class StartupMemoryError(RuntimeError):
 def explain_startup_error(exc: BaseException, cfg) -> StartupMemoryError | None:
     """A StartupMemoryError for a memory failure of vLLM's start-up (or of loading the policy beside it); None for
     any other error. The caller raises it `from exc`, so the original traceback stays visible."""
-    text = memory_failure(exc)
+    text = vllm_internals.memory_failure(exc)
     if text is None:
         return None
     util_key = f"trainer.vllm_gpu_memory_utilization={cfg.trainer.get('vllm_gpu_memory_utilization')}"
     max_len = cfg.trainer.get("vllm_max_model_length")
     kv_gb = os.environ.get("VLLM_CPU_KVCACHE_SPACE", cfg.run.get("cpu_kvcache_gb"))
 
-    if m := GPU_FREE.search(text):
+    if m := vllm_internals.GPU_FREE.search(text):
         free, total, want, want_gb = (float(x) for x in m.groups())
         fits = max(0.01, math.floor((free / total - 0.02) * 100) / 100)  # with 0.02 of room, floored to 0.01
         message = (
@@ -149,21 +140,21 @@ def explain_startup_error(exc: BaseException, cfg) -> StartupMemoryError | None:
             "on the same GPU first and keeps its memory. Set trainer.vllm_gpu_memory_utilization to at most "
             f"{fits}, free the GPU of other processes, or shard the policy (parallelism=fsdp / zero3)."
         )
-    elif m := CPU_KV.search(text):
+    elif m := vllm_internals.CPU_KV.search(text):
         node, free, total, want_gb = m.groups()
         message = (
             f"vLLM could not allocate its CPU KV cache: run.cpu_kvcache_gb={kv_gb} (VLLM_CPU_KVCACHE_SPACE) asks for "
             f"{want_gb} GiB, but NUMA node {node} has {free} GiB of {total} GiB available. On CPU this, not "
             f"{util_key}, sizes the KV cache: set run.cpu_kvcache_gb to at most {max(1, int(float(free)) - 1)}."
         )
-    elif m := CPU_FREE.search(text):
+    elif m := vllm_internals.CPU_FREE.search(text):
         node, free, total, want, want_gb = m.groups()
         message = (
             f"vLLM could not start on CPU: {util_key} asks for {want} x {total} GiB = {want_gb} GiB of memory, but "
             f"NUMA node {node} has {free} GiB available. Set run.cpu_kvcache_gb (VLLM_CPU_KVCACHE_SPACE) to size "
             "the KV cache explicitly, or lower trainer.vllm_gpu_memory_utilization."
         )
-    elif m := KV_TOO_SMALL.search(text):
+    elif m := vllm_internals.KV_TOO_SMALL.search(text):
         import torch
 
         length, need, have, estimate = m.groups()
@@ -174,7 +165,7 @@ def explain_startup_error(exc: BaseException, cfg) -> StartupMemoryError | None:
             f"{need} GiB, but {budget} leaves {have} GiB for the KV cache. Set trainer.vllm_max_model_length {fit}, "
             f"raise {budget.split('=')[0]}, or spread the model over more GPUs (trainer.vllm_tensor_parallel_size)."
         )
-    elif NO_CACHE.search(text):
+    elif vllm_internals.NO_CACHE.search(text):
         message = (
             f"vLLM has no memory left for its KV cache: {util_key} is the share of each GPU vLLM may use, and the "
             "model weights and activation peak already take all of it. Raise trainer.vllm_gpu_memory_utilization "
