@@ -75,21 +75,21 @@ def rows(out: Path, study: dict) -> tuple[list[dict], list[dict]]:
             case: [repeat_row(d, study["warmup_steps"], k) for k, d in repeat_dirs(out / "runs" / model / case).items()]
             for case in cases_of(study, model)
         }
-        for case, runs in repeats.items():
-            row = case_row(model, case, study["kinds"][case], runs)
-            bases = [b for b in against.get(case, []) if b in repeats]
-            if bases and (first := speedups(repeats[bases[0]], runs)):
-                row.update(_columns(first, "speedup", mean="speedup_vs_baseline"))
-            for base in (b for b in bases if b != case):
-                step, rate = speedups(repeats[base], runs), speedups(repeats[base], runs, "tokens_per_s")
-                if step:
+        made = {case: case_row(model, case, study["kinds"][case], runs) for case, runs in repeats.items()}
+        for case, row in made.items():
+            runs = repeats[case]
+            for i, base in enumerate(b for b in against.get(case, []) if b in repeats):
+                step = speedups(repeats[base], runs)
+                if i == 0:
+                    row.update(_columns(step, "speedup", mean="speedup_vs_baseline"))
+                if base != case and step:
                     versus.append(
                         {
                             **dict(model=model, case=case, baseline=base),
-                            "tokens_per_step": _mean_of(runs, "tokens_per_step"),
-                            "baseline_tokens_per_step": _mean_of(repeats[base], "tokens_per_step"),
+                            "tokens_per_step": row.get("tokens_per_step"),
+                            "baseline_tokens_per_step": made[base].get("tokens_per_step"),
                             **_columns(step, "step_speedup"),
-                            **_columns(rate, "tokens_per_s_speedup"),
+                            **_columns(speedups(repeats[base], runs, "tokens_per_s"), "tokens_per_s_speedup"),
                         }
                     )
             table.append({key: row.get(key) for key in COLUMNS})
@@ -99,11 +99,6 @@ def rows(out: Path, study: dict) -> tuple[list[dict], list[dict]]:
 def _columns(found: dict, name: str, mean: str | None = None) -> dict:
     """speedups()' result as columns: NAME (or `mean`), NAME_min, NAME_max, NAME_pairs."""
     return {(mean or name) if k == "mean" else f"{name}_{k}": v for k, v in found.items()}
-
-
-def _mean_of(runs: list[dict], key: str) -> float | None:
-    values = [r[key] for r in runs if r["status"] == "finished" and r.get(key) is not None]
-    return fmean(values) if values else None
 
 
 def repeat_row(job_dir: Path, warmup: int, repeat: int) -> dict:
