@@ -43,9 +43,8 @@ def load(path: str | Path) -> dict:
         problems.append("cases: map each case name to its list of overrides")
         study["cases"] = {}
     else:
-        named = study.get("baseline")
-        named = [*named.keys(), *_flat(named.values())] if isinstance(named, dict) else [named]
-        if unknown := [b for b in named if b not in study["cases"]]:
+        named = [name for case, against in baselines(study).items() for name in (case, *against)]
+        if unknown := [b for b in dict.fromkeys(named) if b not in study["cases"]]:
             problems.append(f"baseline: {unknown} must be cases of {list(study['cases'])}")
     study["kinds"], study["case_models"] = {}, {}
     for name, value in study["cases"].items():
@@ -119,14 +118,10 @@ def cases_of(study: dict, model: str) -> list[str]:
 def baselines(study: dict) -> dict[str, list[str]]:
     """case → the cases its speed-ups are measured against, the first one in results.csv's speedup_* columns (one
     baseline for all, or the study's mapping of a case to a case or to a list of them)."""
-    baseline = study["baseline"]
+    baseline = study.get("baseline")
     if not isinstance(baseline, dict):
         return {case: [baseline] for case in study["cases"]}
     return {case: [against] if isinstance(against, str) else list(against) for case, against in baseline.items()}
-
-
-def _flat(values) -> list:
-    return [v for value in values for v in (value if isinstance(value, list) else [value])]
 
 
 def case_command(
