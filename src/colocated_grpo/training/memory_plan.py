@@ -5,15 +5,12 @@ by default; recomputing every layer's forward in the backward costs about a fift
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
 from colocated_grpo.training import config, models
-
-log = logging.getLogger(__name__)
 
 GIB = 2**30
 # Bytes one token keeps per decoder layer for the backward, in units of the weights' dtype size, per hidden, MLP and
@@ -33,6 +30,8 @@ class Need:
     state: float
     activations: float
     logits: float
+    micro_batch: int
+    sequence: int  # tokens of the longest sequence in it
 
     @property
     def without_checkpointing(self) -> float:
@@ -51,9 +50,9 @@ def choose(cfg: DictConfig, longest_prompt: int | None) -> tuple[dict, str | Non
     budget, where = budget_bytes(cfg)
     room = budget * USABLE - RESERVED
     off = need.without_checkpointing <= room
-    tokens = int(config.trainer_value(cfg.trainer, "per_device_train_batch_size")), _sequence(cfg, longest_prompt)
     line = (
-        f"gradient checkpointing: {'off' if off else 'on'} (chosen: micro-batches of {tokens[0]} x {tokens[1]} tokens "
+        f"gradient checkpointing: {'off' if off else 'on'} (chosen: micro-batches of {need.micro_batch} x "
+        f"{need.sequence} tokens "
         f"train in ~{need.without_checkpointing / GIB:.1f} GiB without it, of which activations "
         f"{need.activations / GIB:.1f}; {room / GIB:.1f} GiB usable of {budget / GIB:.1f} {where}); "
         f"trainer.gradient_checkpointing={'true' if off else 'false'} overrides"
@@ -62,9 +61,12 @@ def choose(cfg: DictConfig, longest_prompt: int | None) -> tuple[dict, str | Non
 
 
 def _sequence(cfg: DictConfig, longest_prompt: int | None) -> int:
-    completion = int(config.trainer_value(cfg.trainer, "max_completion_length"))
+    """Tokens of the longest training sequence: the longest prompt plus a whole completion (without the prompts, the
+    engine's context where it is set)."""
     engine = cfg.trainer.get("vllm_max_model_length")
-    return (longest_prompt or 0) + completion if longest_prompt is not None or engine is None else int(engine)
+    if longest_prompt is None and engine is not None:
+        return int(engine)
+    return (longest_prompt or 0) + int(config.trainer_value(cfg.trainer, "max_completion_length"))
 
 
 def training_need(cfg: DictConfig, model_config: dict, longest_prompt: int | None) -> Need:
@@ -92,10 +94,11 @@ def training_need(cfg: DictConfig, model_config: dict, longest_prompt: int | Non
         state = params * 4 * size  # weights, gradients and AdamW's two moments in the weights' dtype
 
     micro_batch = int(config.trainer_value(cfg.trainer, "per_device_train_batch_size"))
-    tokens = micro_batch * _sequence(cfg, longest_prompt)
+    sequence = _sequence(cfg, longest_prompt)
     per_token_layer = size * (PER_HIDDEN * hidden + PER_INTERMEDIATE * intermediate + PER_KV * kv)
     completion = micro_batch * int(config.trainer_value(cfg.trainer, "max_completion_length"))
-    return Need(state, tokens * layers * per_token_layer, completion * vocab * LOGIT_BYTES)
+    activations = micro_batch * sequence * layers * per_token_layer
+    return Need(state, activations, completion * vocab * LOGIT_BYTES, micro_batch, sequence)
 
 
 def _parameters(hidden: int, intermediate: int, layers: int, kv: int, vocab: int) -> int:
