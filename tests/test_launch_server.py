@@ -171,7 +171,8 @@ def test_a_child_dies_with_its_parent_and_no_python_runs_between_fork_and_exec(t
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "child.log")], stdout=subprocess.PIPE)
     child = psutil.Process(int(parent.stdout.readline()))
     deadline = time.monotonic() + 10
-    while child.cmdline()[2] != "import time; time.sleep(600)" and time.monotonic() < deadline:
+    # /proc/<pid>/cmdline reads empty for a moment while the child execs
+    while child.cmdline()[2:3] != ["import time; time.sleep(600)"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert child.cmdline() == [sys.executable, "-c", "import time; time.sleep(600)"], "its command, in its process"
     assert_stops_with_its_parent(child, parent)
