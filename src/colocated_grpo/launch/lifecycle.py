@@ -13,6 +13,10 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+# Before torch, transformers and vLLM load: W&B's init imports wandb.apis.public, whose pydantic models read their
+# docstrings through `inspect.getmodule`, which scans every loaded module for each frame of the stack: 2-3 s of
+# start-up once those libraries are in, 0.1 s now (and it is imported anyway: TRL imports wandb).
+import wandb.apis.public  # noqa: F401  # isort: skip
 import torch
 from omegaconf import DictConfig
 
