@@ -30,9 +30,7 @@ log = logging.getLogger(__name__)
 
 WRITTEN_FOR_VERSION = "1.16.0"
 WRITTEN_FOR = {
-    "flat log-prob reader": {
-        "trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d",
-    },
+    "flat log-prob reader": {"trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d"},
     "batched weight sync": {
         "trl.generation.vllm_generation:VLLMGeneration.sync_weights": "63d669fb3230",
         "trl.generation.vllm_generation:VLLMGeneration._iter_named_params": "baab615d5c7b",

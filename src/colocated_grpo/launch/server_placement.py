@@ -153,7 +153,7 @@ def trainer_overrides(plan_: ServerPlan, user_overrides: list[str], run_dir: Pat
     ]
 
 
-def run_placement(cfg: DictConfig, run_dir: Path) -> Path:
+def run_placement(cfg: DictConfig, run_dir: Path) -> None:
     """This process only orchestrates: vLLM server on the last GPUs, a torchrun trainer on the others."""
     run_dir.mkdir(parents=True, exist_ok=True)
     plan_ = plan(cfg, visible_gpus())
@@ -164,7 +164,6 @@ def run_placement(cfg: DictConfig, run_dir: Path) -> Path:
         raise SystemExit(
             f"server placement: the trainer failed with exit code {code} (see {run_dir / run_files.TRAINER_LOG})"
         )
-    return run_dir
 
 
 def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, resume: str) -> int:

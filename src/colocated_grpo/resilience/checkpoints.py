@@ -106,8 +106,7 @@ def checkpoints(run_dir: Path) -> list[Checkpoint]:
 
 
 def latest(run_dir: Path) -> Checkpoint | None:
-    found = checkpoints(run_dir)
-    return found[-1] if found else None
+    return (checkpoints(run_dir) or [None])[-1]
 
 
 def mark_complete_callback():
