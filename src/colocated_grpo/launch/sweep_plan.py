@@ -128,9 +128,7 @@ def sweep_keys(config: DictConfig) -> set[str]:
 
     lines = [f"{k}={v}" for k, v in (OmegaConf.select(config, "hydra.sweeper.params") or {}).items()]
     lines += list(OmegaConf.select(config, "hydra.overrides.task") or [])
-    swept = {}
-    for override in OverridesParser.create().parse_overrides(lines):
-        swept[override.key_or_group] = override.is_sweep_override()
+    swept = {o.key_or_group: o.is_sweep_override() for o in OverridesParser.create().parse_overrides(lines)}
     return {key for key, is_sweep in swept.items() if is_sweep}
 
 
