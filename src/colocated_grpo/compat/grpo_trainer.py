@@ -302,16 +302,8 @@ class _GenerationStats:
         batches = torch.stack(self.batches)
         sums, mins, maxes = batches.sum(0), batches.amin(0), batches.amax(0)
         d_sum, d_n, d_max, r_sum, r_n, r_min, r_max = sums[0], sums[1], maxes[2], sums[3], sums[4], mins[5], maxes[6]
-        zero = torch.zeros_like(d_sum)
-        return torch.stack(
-            [
-                torch.where(d_n > 0, d_sum / d_n.clamp(min=1), zero),
-                d_max,
-                torch.where(r_n > 0, r_min, zero),
-                torch.where(r_n > 0, r_sum / r_n.clamp(min=1), zero),
-                torch.where(r_n > 0, r_max, zero),
-            ]
-        )
+        delta = torch.stack([torch.where(d_n > 0, d_sum / d_n.clamp(min=1), 0.0), d_max])
+        return torch.cat([delta, torch.where(r_n > 0, torch.stack([r_min, r_sum / r_n.clamp(min=1), r_max]), 0.0)])
 
 
 class ColocatedGRPOTrainer(TimedGRPOTrainer):
@@ -404,9 +396,7 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
 
     def _add_ratio(self, inputs: dict, logps) -> None:
         sampling = inputs["sampling_per_token_logps"]
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         mode = self.vllm_importance_sampling_mode
         clip = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         ratio = vllm_is_ratio(logps, sampling, mask, mode, *clip)
