@@ -67,16 +67,9 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
         job.status = "interrupted"
         raise
     finally:
-        outcome = dict(
-            command=command,
-            started=started,
-            ended=now(),
-            duration_s=round(time.monotonic() - t0, 1),
-            exit_code=exit_code,
-            log=log_path.name,
-            log_tail=processes.tail(log_path, opts.log_tail_lines),
-            error=error_line(log_path) if job.status != "finished" else None,
-        )
+        outcome = dict(command=command, started=started, ended=now(), duration_s=round(time.monotonic() - t0, 1))
+        outcome.update(exit_code=exit_code, log=log_path.name, log_tail=processes.tail(log_path, opts.log_tail_lines))
+        outcome["error"] = error_line(log_path) if job.status != "finished" else None
         record = job.save(**outcome) if records else job.record(**outcome)
     if job.status == "failed":
         log.warning("#%d failed (exit code %s): %s; see %s", job.num, exit_code, record["error"], log_path)
