@@ -62,12 +62,8 @@ def visible_gpus() -> list[str]:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        raise ConfigError(
-            [
-                f"placement=server needs NVIDIA GPUs (NVML: {exc}): TRL syncs weights to a vLLM server over NCCL. "
-                "On CPU use placement=colocate or placement=none"
-            ]
-        ) from exc
+        why = "TRL syncs weights to a vLLM server over NCCL. On CPU use placement=colocate or placement=none"
+        raise ConfigError([f"placement=server needs NVIDIA GPUs (NVML: {exc}): {why}"]) from exc
     uuid = lambda h: (lambda u: u.decode() if isinstance(u, bytes) else u)(pynvml.nvmlDeviceGetUUID(h))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -196,11 +192,8 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
     (run_dir / run_files.PLACEMENT).write_text(json.dumps(plan_.__dict__, indent=2))
     base_env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     server_log = run_dir / run_files.SERVER_LOG
-    server = processes.start(
-        server_command(cfg, model_path, plan_),
-        server_log,
-        env={**base_env, "CUDA_VISIBLE_DEVICES": ",".join(plan_.server_gpus)},
-    )
+    server_env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(plan_.server_gpus)}
+    server = processes.start(server_command(cfg, model_path, plan_), server_log, server_env)
     try:
         url = f"http://127.0.0.1:{plan_.port}/health"
         startup = wait_until_healthy(url, server, float(cfg.placement.health_timeout_s), server_log)
