@@ -177,13 +177,9 @@ def _build(data_cfg):
         )
     if source == "gsm8k":
         ds = datasets.load_dataset(data_cfg.path, data_cfg.name, split=data_cfg.split)
-        ds = ds.map(
-            lambda r: {
-                "prompt": _conversation(r["question"], system_prompt),
-                "answer": r["answer"].split("####")[-1].strip().replace(",", ""),
-            },
-            remove_columns=ds.column_names,
-        )
+        answer = lambda r: r["answer"].split("####")[-1].strip().replace(",", "")  # GSM8K's final answer follows ####
+        row = lambda r: {"prompt": _conversation(r["question"], system_prompt), "answer": answer(r)}
+        ds = ds.map(row, remove_columns=ds.column_names)
         return _limit(ds, data_cfg.get("num_samples"))
     ds = _load_source(data_cfg)
     if found := column_problems(data_cfg, ds.column_names, {}):
