@@ -411,13 +411,8 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         )
     if ours or users:
         kwargs["generation_kwargs"] = {**ours, **users}
-    ours = {
-        "output_dir": output_dir,
-        "report_to": report_to,
-        "run_name": cfg.run.name,
-        "seed": int(cfg.seed),
-        "reward_weights": [float(w) for w in cfg.reward.weights.values()],
-    }
+    ours = dict(output_dir=output_dir, report_to=report_to, run_name=cfg.run.name, seed=int(cfg.seed))
+    ours["reward_weights"] = [float(w) for w in cfg.reward.weights.values()]
     try:
         return GRPOConfig(**ours, **kwargs)
     except (ValueError, TypeError) as exc:  # TRL's and transformers' own rules on the combination of settings
