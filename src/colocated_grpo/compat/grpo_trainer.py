@@ -115,9 +115,8 @@ class TimedGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if missing := [
-            n for n in ("_prepare_inputs", "_generate", "_calculate_rewards") if not hasattr(GRPOTrainer, n)
-        ]:
+        timed = ("_prepare_inputs", "_generate", "_calculate_rewards")
+        if missing := [name for name in timed if not hasattr(GRPOTrainer, name)]:
             log.warning("phase timings: this TRL's GRPOTrainer has no %s; those phases read 0", ", ".join(missing))
         if getattr(self, "vllm_generation", None) is not None:
             # TRL 1.16 builds VLLMGeneration by name inside GRPOTrainer.__init__, with no factory to override: the
@@ -375,12 +374,8 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             self.vllm_importance_sampling_correction = True
 
     def _compute_loss(self, model, inputs):
-        if (
-            self.one_forward
-            and self.model.training
-            and "importance_sampling_ratio" not in inputs
-            and inputs.get("sampling_per_token_logps") is not None
-        ):
+        unscored = "importance_sampling_ratio" not in inputs and inputs.get("sampling_per_token_logps") is not None
+        if self.one_forward and self.model.training and unscored:
             inputs = self._pending = dict(inputs)  # TRL's buffered micro-batch stays as TRL made it
         try:
             return super()._compute_loss(model, inputs)
