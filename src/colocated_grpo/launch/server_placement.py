@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +127,7 @@ def wait_until_healthy(url: str, proc, timeout_s: float, log_path: Path) -> floa
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return time.monotonic() - start
-        except (urllib.error.URLError, OSError):
+        except OSError:  # urllib's URLError too: not up yet
             pass
         if time.monotonic() - start > timeout_s:
             raise ServerError(
