@@ -92,9 +92,8 @@ def main(cfg: DictConfig) -> None:
         process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         signals.ending()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
-        process_end.report_failure(
-            exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, rewards.RewardError)
-        )
+        shown = isinstance(exc, rewards.RewardError)  # the reward's own traceback, the cause
+        process_end.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=shown)
         process_end.exit_now(1)
 
 

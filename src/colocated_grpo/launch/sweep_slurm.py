@@ -55,8 +55,7 @@ def launch_submitit(
     jobs = plan(hydra_context, config, job_overrides, initial_job_idx, nnodes=nnodes)
     sweep_dir = announce(config, jobs, opts.dry_run)
     executor = submitit_executor(kind, params) if any(j.status == "pending" for j in jobs) else None
-    submitted = []
-    interrupted = False
+    submitted, interrupted = [], False
     try:
         with sigterm_as_interrupt():
             by_size: dict[int, list[Job]] = {}

@@ -218,9 +218,8 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
                     time.sleep(0.1)
         raise
     if store is not None:
-        store.set(
-            key, json.dumps({"checkpoint": resume.checkpoint and resume.checkpoint.path.name, "step": resume.step})
-        )
+        decided = {"checkpoint": resume.checkpoint and resume.checkpoint.path.name, "step": resume.step}
+        store.set(key, json.dumps(decided))
     return resume
 
 

@@ -74,8 +74,7 @@ def _handled(handler: Callable[[int, object], None], signums: tuple[int, ...]) -
 
     def restore() -> None:
         while previous:
-            sig, old = previous.popitem()
-            signal.signal(sig, old)
+            signal.signal(*previous.popitem())
 
     try:
         yield restore

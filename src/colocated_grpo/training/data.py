@@ -126,11 +126,10 @@ def _option_problems(data_cfg) -> list[str]:
             "data.system_prompt is set but data.chat_template=false: a plain-text prompt has no system turn; "
             "set data.chat_template=true or data.system_prompt=null"
         )
-    if data_cfg.source in ("hub", "local"):
-        if data_cfg.source == "local":
-            found += _file_problems(data_cfg)
-        if not isinstance(data_cfg.get("prompt_column"), str):
-            found.append("data.prompt_column must name the column holding the prompts (e.g. data.prompt_column=prompt)")
+    if data_cfg.source == "local":
+        found += _file_problems(data_cfg)
+    if data_cfg.source in ("hub", "local") and not isinstance(data_cfg.get("prompt_column"), str):
+        found.append("data.prompt_column must name the column holding the prompts (e.g. data.prompt_column=prompt)")
     return found
 
 
