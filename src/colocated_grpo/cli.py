@@ -5,9 +5,10 @@ prog name `colocated-grpo COMMAND`, its `--help` prints that command's options u
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+
+from colocated_grpo.provenance import command_parser
 
 PROG = "colocated-grpo"
 
@@ -49,12 +50,8 @@ def commands() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=__doc__.split("\n")[0],
-        epilog=commands(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser(__name__, __doc__.split("\n")[0], PROG)
+    parser.epilog = commands()
     parser.add_argument("command", metavar="COMMAND", help="one of the commands below")
     parser.add_argument("args", metavar="ARGS", nargs="*", default=[], help="the command's own arguments")
     if not argv or argv[0].startswith("-"):

@@ -30,9 +30,7 @@ log = logging.getLogger(__name__)
 
 WRITTEN_FOR_VERSION = "1.16.0"
 WRITTEN_FOR = {
-    "flat log-prob reader": {
-        "trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d",
-    },
+    "flat log-prob reader": {"trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d"},
     "batched weight sync": {
         "trl.generation.vllm_generation:VLLMGeneration.sync_weights": "63d669fb3230",
         "trl.generation.vllm_generation:VLLMGeneration._iter_named_params": "baab615d5c7b",
@@ -117,9 +115,8 @@ class TimedGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if missing := [
-            n for n in ("_prepare_inputs", "_generate", "_calculate_rewards") if not hasattr(GRPOTrainer, n)
-        ]:
+        timed = ("_prepare_inputs", "_generate", "_calculate_rewards")
+        if missing := [name for name in timed if not hasattr(GRPOTrainer, name)]:
             log.warning("phase timings: this TRL's GRPOTrainer has no %s; those phases read 0", ", ".join(missing))
         if getattr(self, "vllm_generation", None) is not None:
             # TRL 1.16 builds VLLMGeneration by name inside GRPOTrainer.__init__, with no factory to override: the
@@ -304,16 +301,8 @@ class _GenerationStats:
         batches = torch.stack(self.batches)
         sums, mins, maxes = batches.sum(0), batches.amin(0), batches.amax(0)
         d_sum, d_n, d_max, r_sum, r_n, r_min, r_max = sums[0], sums[1], maxes[2], sums[3], sums[4], mins[5], maxes[6]
-        zero = torch.zeros_like(d_sum)
-        return torch.stack(
-            [
-                torch.where(d_n > 0, d_sum / d_n.clamp(min=1), zero),
-                d_max,
-                torch.where(r_n > 0, r_min, zero),
-                torch.where(r_n > 0, r_sum / r_n.clamp(min=1), zero),
-                torch.where(r_n > 0, r_max, zero),
-            ]
-        )
+        delta = torch.stack([torch.where(d_n > 0, d_sum / d_n.clamp(min=1), 0.0), d_max])
+        return torch.cat([delta, torch.where(r_n > 0, torch.stack([r_min, r_sum / r_n.clamp(min=1), r_max]), 0.0)])
 
 
 class ColocatedGRPOTrainer(TimedGRPOTrainer):
@@ -385,12 +374,8 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             self.vllm_importance_sampling_correction = True
 
     def _compute_loss(self, model, inputs):
-        if (
-            self.one_forward
-            and self.model.training
-            and "importance_sampling_ratio" not in inputs
-            and inputs.get("sampling_per_token_logps") is not None
-        ):
+        unscored = "importance_sampling_ratio" not in inputs and inputs.get("sampling_per_token_logps") is not None
+        if self.one_forward and self.model.training and unscored:
             inputs = self._pending = dict(inputs)  # TRL's buffered micro-batch stays as TRL made it
         try:
             return super()._compute_loss(model, inputs)
@@ -406,9 +391,7 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
 
     def _add_ratio(self, inputs: dict, logps) -> None:
         sampling = inputs["sampling_per_token_logps"]
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         mode = self.vllm_importance_sampling_mode
         clip = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         ratio = vllm_is_ratio(logps, sampling, mask, mode, *clip)

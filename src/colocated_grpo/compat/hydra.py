@@ -34,9 +34,5 @@ def override_dirname(overrides: list[str], spec) -> str:
     from hydra._internal.config_loader_impl import get_overrides_dirname
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return get_overrides_dirname(
-        overrides=OverridesParser.create().parse_overrides(overrides),
-        exclude_keys=list(spec.exclude_keys),
-        item_sep=spec.item_sep,
-        kv_sep=spec.kv_sep,
-    )
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return get_overrides_dirname(parsed, list(spec.exclude_keys), spec.item_sep, spec.kv_sep)

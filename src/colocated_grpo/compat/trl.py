@@ -77,11 +77,8 @@ def read_flat_logprobs(outputs):
             lp = output.logprobs
             if lp is None:
                 return None, None
-            if (
-                not isinstance(lp, FlatLogprobs)
-                or lp.start_indices != list(range(len(lp.start_indices)))
-                or len(lp.logprobs) != len(lp.start_indices)
-            ):
+            one_each = isinstance(lp, FlatLogprobs) and lp.start_indices == list(range(len(lp.start_indices)))
+            if not one_each or len(lp.logprobs) != len(lp.start_indices):
                 return _trl_parser()(outputs)
             all_logprobs.append([[None if math.isnan(x) else x] for x in lp.logprobs])
             all_token_ids.append([[t] for t in lp.token_ids])

@@ -28,9 +28,8 @@ def fast_output_kwargs() -> dict:
     """The SamplingParams of FAST_OUTPUTS that the installed vLLM knows (flat_logprobs is missing before 0.11)."""
     from vllm import SamplingParams
 
-    fields = {f.name for f in dataclasses.fields(SamplingParams)} if dataclasses.is_dataclass(SamplingParams) else None
-    if fields is None:  # msgspec Struct
-        fields = set(getattr(SamplingParams, "__struct_fields__", ()))
+    # a msgspec Struct (else a dataclass)
+    fields = getattr(SamplingParams, "__struct_fields__", None) or [f.name for f in dataclasses.fields(SamplingParams)]
     known = {k: v for k, v in FAST_OUTPUTS.items() if k in fields}
     if missing := sorted(set(FAST_OUTPUTS) - set(known)):
         log.warning("this vLLM's SamplingParams has no %s: placement.fast_outputs uses only %s", missing, known)

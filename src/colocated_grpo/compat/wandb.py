@@ -88,12 +88,6 @@ def is_history(record) -> bool:
     return record.WhichOneof("record_type") == "history"
 
 
-def truncate(log_file: Path, offset: int) -> None:
-    """Cut a transaction log at a record's start: as if the writer had died right before that record."""
-    with open(log_file, "r+b") as f:
-        f.truncate(offset)
-
-
 def trainer_metric_names(values: dict) -> dict:
     """Metrics named as transformers' W&B callback names them (TRL's `reward` → `train/reward`), so that rows logged
     later (a resumed run's backfill) land beside the rows the trainer logged."""

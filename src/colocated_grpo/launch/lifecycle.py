@@ -23,7 +23,6 @@ from omegaconf import DictConfig
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat import hydra as hydra_internals
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.compat.hydra import in_process_multirun_launcher, output_dir
 from colocated_grpo.launch import server_placement
 from colocated_grpo.resilience import (
     attempts,
@@ -36,16 +35,8 @@ from colocated_grpo.resilience import (
     run_dir_guard,
     signals,
 )
-from colocated_grpo.resilience.checkpoints import ResumeError
-from colocated_grpo.resilience.disk_full import DiskFull
-from colocated_grpo.resilience.out_of_memory import StartupMemoryError, TrainingMemoryError
-from colocated_grpo.resilience.preemption import NonFiniteError, TrainingInterrupted
 from colocated_grpo.telemetry.phases import PHASES
-from colocated_grpo.training import build, config, preflight, prompt_lengths, wandb_logging
-from colocated_grpo.training.config import ConfigError
-from colocated_grpo.training.data import DataError
-from colocated_grpo.training.rewards import RewardError
-from colocated_grpo.training.wandb_logging import WandbError
+from colocated_grpo.training import build, config, data, preflight, prompt_lengths, rewards, wandb_logging
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +47,17 @@ class NothingTrained(RuntimeError):
 
 # Errors whose message says what to change: no traceback (but a reward's own, the cause of a RewardError, is shown).
 EXPLAINED = (
-    ConfigError,
-    DataError,
-    DiskFull,
-    ResumeError,
-    RewardError,
-    NonFiniteError,
-    StartupMemoryError,
-    TrainingMemoryError,
+    config.ConfigError,
+    data.DataError,
+    disk_full.DiskFull,
+    checkpoints.ResumeError,
+    rewards.RewardError,
+    preemption.NonFiniteError,
+    out_of_memory.StartupMemoryError,
+    out_of_memory.TrainingMemoryError,
     NothingTrained,
     server_placement.ServerError,
-    WandbError,
+    wandb_logging.WandbError,
 )
 
 
@@ -79,10 +70,10 @@ def main(cfg: DictConfig) -> None:
     # transformers' FutureWarnings about the `gradient_checkpointing` names that TRL still reads
     warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
     signals.stop_with_torchrun_agent()
-    run_dir = Path(output_dir()).resolve()
+    run_dir = Path(hydra_internals.output_dir()).resolve()
     try:
-        if launcher := in_process_multirun_launcher():
-            raise ConfigError(
+        if launcher := hydra_internals.in_process_multirun_launcher():
+            raise config.ConfigError(
                 [
                     f"hydra/launcher={launcher} runs every job of this multirun inside one process, but a job holds "
                     "one process group and one vLLM engine for the life of its process, and a finished job ends its "
@@ -97,7 +88,7 @@ def main(cfg: DictConfig) -> None:
             run(cfg)
             # Ends at once: the interpreter's teardown can abort on vLLM's native threads (exit -6, "terminate called")
             process_end.exit_now(0)
-    except TrainingInterrupted as stopped:  # already said, with the command that resumes it
+    except preemption.TrainingInterrupted as stopped:  # already said, with the command that resumes it
         process_end.exit_now(stopped.code)
     except KeyboardInterrupt as stop:  # SIGTERM in start-up, a signal repeated in training, a second Ctrl-C
         if build.is_main_process():
@@ -105,7 +96,8 @@ def main(cfg: DictConfig) -> None:
         process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         signals.ending()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
-        process_end.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=isinstance(exc, RewardError))
+        shown = isinstance(exc, rewards.RewardError)  # the reward's own traceback, the cause
+        process_end.report_failure(exc, explained=isinstance(exc, EXPLAINED), show_cause=shown)
         process_end.exit_now(1)
 
 
@@ -124,7 +116,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     with _refusals_recorded(run_dir, rank0):
         config.validate(cfg, world)
         if not torch.cuda.is_available() and (problems := config.gpu_only_problems(cfg)):
-            raise ConfigError(problems)
+            raise config.ConfigError(problems)
         wandb_logging.refuse_online_without_credentials(cfg)
         resume = checkpoints.plan(cfg, run_dir, rank0)  # refused before the data is built (its run.json is kept)
         report_to = ["wandb"] if cfg.logger.backend == "wandb" and rank0 else []  # TRL logs to W&B from rank 0

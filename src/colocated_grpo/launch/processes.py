@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from subprocess import DEVNULL, STDOUT
 
 from colocated_grpo.provenance import REPO
 
@@ -54,19 +55,9 @@ def torchrun_command(
 ) -> list[str]:
     """`python -m torch.distributed.run` of `script args…` on `nproc` processes per node; a free port by default."""
     port = free_port() if master_port is None else master_port
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        f"--node_rank={node_rank}",
-        f"--nproc_per_node={nproc}",
-        f"--master_addr={master_addr}",
-        f"--master_port={port}",
-        *extra_args,
-        str(script),
-        *args,
-    ]
+    nodes = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}"]
+    rendezvous = [f"--master_addr={master_addr}", f"--master_port={port}"]
+    return [sys.executable, "-m", "torch.distributed.run", *nodes, *rendezvous, *extra_args, str(script), *args]
 
 
 def start(
@@ -77,15 +68,10 @@ def start(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if grace_s is not None:
         env = {**(os.environ if env is None else env), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(grace_s))}
+    argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *map(str, cmd)] if LINUX else cmd
     with open(log_path, "ab") as log:  # the child holds its own descriptor
         return subprocess.Popen(
-            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *map(str, cmd)] if LINUX else cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
+            argv, stdout=log, stderr=STDOUT, stdin=DEVNULL, env=env, cwd=cwd, start_new_session=True
         )
 
 

@@ -73,16 +73,9 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as Bar
 
-            bar = Bar(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[job]}"),
-                TimeElapsedColumn(),
-                TextColumn("~{task.fields[left]} left"),
-                redirect_stdout=True,
-                redirect_stderr=True,
-            )
+            columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+            columns += [TextColumn("{task.fields[job]}"), TimeElapsedColumn(), TextColumn("~{task.fields[left]} left")]
+            bar = Bar(*columns, redirect_stdout=True, redirect_stderr=True)
             self._bar = self._exits.enter_context(bar)  # started here, stopped on exit
             self._task = self._bar.add_task(self.what, total=self.total, job="", left="?")
             self._exits.enter_context(_logs_to_current_streams())

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,12 +61,8 @@ def visible_gpus() -> list[str]:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        raise ConfigError(
-            [
-                f"placement=server needs NVIDIA GPUs (NVML: {exc}): TRL syncs weights to a vLLM server over NCCL. "
-                "On CPU use placement=colocate or placement=none"
-            ]
-        ) from exc
+        why = "TRL syncs weights to a vLLM server over NCCL. On CPU use placement=colocate or placement=none"
+        raise ConfigError([f"placement=server needs NVIDIA GPUs (NVML: {exc}): {why}"]) from exc
     uuid = lambda h: (lambda u: u.decode() if isinstance(u, bytes) else u)(pynvml.nvmlDeviceGetUUID(h))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -132,7 +127,7 @@ def wait_until_healthy(url: str, proc, timeout_s: float, log_path: Path) -> floa
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return time.monotonic() - start
-        except (urllib.error.URLError, OSError):
+        except OSError:  # urllib's URLError too: not up yet
             pass
         if time.monotonic() - start > timeout_s:
             raise ServerError(
@@ -153,7 +148,7 @@ def trainer_overrides(plan_: ServerPlan, user_overrides: list[str], run_dir: Pat
     ]
 
 
-def run_placement(cfg: DictConfig, run_dir: Path) -> Path:
+def run_placement(cfg: DictConfig, run_dir: Path) -> None:
     """This process only orchestrates: vLLM server on the last GPUs, a torchrun trainer on the others."""
     run_dir.mkdir(parents=True, exist_ok=True)
     plan_ = plan(cfg, visible_gpus())
@@ -164,7 +159,6 @@ def run_placement(cfg: DictConfig, run_dir: Path) -> Path:
         raise SystemExit(
             f"server placement: the trainer failed with exit code {code} (see {run_dir / run_files.TRAINER_LOG})"
         )
-    return run_dir
 
 
 def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, resume: str) -> int:
@@ -197,11 +191,8 @@ def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: li
     (run_dir / run_files.PLACEMENT).write_text(json.dumps(plan_.__dict__, indent=2))
     base_env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     server_log = run_dir / run_files.SERVER_LOG
-    server = processes.start(
-        server_command(cfg, model_path, plan_),
-        server_log,
-        env={**base_env, "CUDA_VISIBLE_DEVICES": ",".join(plan_.server_gpus)},
-    )
+    server_env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(plan_.server_gpus)}
+    server = processes.start(server_command(cfg, model_path, plan_), server_log, server_env)
     try:
         url = f"http://127.0.0.1:{plan_.port}/health"
         startup = wait_until_healthy(url, server, float(cfg.placement.health_timeout_s), server_log)

@@ -17,18 +17,9 @@ from omegaconf import DictConfig
 
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
-from colocated_grpo.launch import processes
-from colocated_grpo.launch.processes import free_port
+from colocated_grpo.launch import processes, sweep_plan
 from colocated_grpo.launch.progress import Progress, run_step
-from colocated_grpo.launch.sweep_plan import (
-    Job,
-    Options,
-    default_script,
-    gpus_on_this_machine,
-    plan,
-    quote,
-    wandb_group,
-)
+from colocated_grpo.launch.sweep_plan import Job, Options, plan, quote
 from colocated_grpo.resilience.signals import sigterm_as_interrupt
 from colocated_grpo.run_files import now
 
@@ -76,16 +67,9 @@ def execute(job: Job, command: list[str], log_path: Path, opts: Options, records
         job.status = "interrupted"
         raise
     finally:
-        outcome = dict(
-            command=command,
-            started=started,
-            ended=now(),
-            duration_s=round(time.monotonic() - t0, 1),
-            exit_code=exit_code,
-            log=log_path.name,
-            log_tail=processes.tail(log_path, opts.log_tail_lines),
-            error=error_line(log_path) if job.status != "finished" else None,
-        )
+        outcome = dict(command=command, started=started, ended=now(), duration_s=round(time.monotonic() - t0, 1))
+        outcome.update(exit_code=exit_code, log=log_path.name, log_tail=processes.tail(log_path, opts.log_tail_lines))
+        outcome["error"] = error_line(log_path) if job.status != "finished" else None
         record = job.save(**outcome) if records else job.record(**outcome)
     if job.status == "failed":
         log.warning("#%d failed (exit code %s): %s; see %s", job.num, exit_code, record["error"], log_path)
@@ -130,8 +114,8 @@ def error_line(log_path: Path) -> str | None:
 
 def launch_local(hydra_context, config: DictConfig, task_function, job_overrides, initial_job_idx: int, opts: Options):
     """Run the jobs one after another, each as its own torchrun on this machine; returns Hydra JobReturns."""
-    script = opts.script or default_script(task_function)
-    jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=gpus_on_this_machine())
+    script = opts.script or sweep_plan.default_script(task_function)
+    jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=sweep_plan.gpus_on_this_machine())
     sweep_dir = announce(config, jobs, opts.dry_run)
     interrupted = False
     runnable = [] if opts.dry_run else [job for job in jobs if job.status == "pending"]
@@ -142,7 +126,7 @@ def launch_local(hydra_context, config: DictConfig, task_function, job_overrides
                 command = (
                     [sys.executable, script, f"hydra.run.dir={quote(job.dir)}", *job.overrides]
                     if job.server
-                    else torchrun_command(job, script, free_port(), extra_args=opts.torchrun_args)
+                    else torchrun_command(job, script, processes.free_port(), extra_args=opts.torchrun_args)
                 )
                 with shown.job(f"#{job.num} {' '.join(job.swept) or 'job'}", lambda d=Path(job.dir): run_step(d)):
                     execute(job, command, Path(job.dir) / run_files.JOB_LOG, opts)
@@ -158,14 +142,8 @@ def announce(config: DictConfig, jobs: list[Job], dry_run: bool) -> Path:
     if dry_run:
         for job in runnable:
             job.status = "planned"
-    log.info(
-        "sweep %s: %d jobs, %d runnable, %d skipped (W&B group %s)",
-        sweep_dir,
-        len(jobs),
-        len(runnable),
-        len(jobs) - len(runnable),
-        wandb_group(config),
-    )
+    group, skipped = sweep_plan.wandb_group(config), len(jobs) - len(runnable)
+    log.info(f"sweep {sweep_dir}: {len(jobs)} jobs, {len(runnable)} runnable, {skipped} skipped (W&B group {group})")
     for job in jobs:
         job.save()
         what = f"skipped: {job.reason}" if job.reason else f"nproc_per_node={job.nproc_per_node} nnodes={job.nnodes}"

@@ -88,19 +88,17 @@ def plan(
                 # The job directory (hydra.sweep.subdir) and with it the W&B run name say what differs between jobs.
                 job_cfg.hydra.job.override_dirname = override_dirname(swept, job_cfg.hydra.job.config.override_dirname)
             hydra_cfg.set_config(job_cfg)
-            subdir = str(OmegaConf.select(job_cfg, "hydra.sweep.subdir"))
+            job_dir = str(sweep_dir / str(OmegaConf.select(job_cfg, "hydra.sweep.subdir")))
             if OmegaConf.select(job_cfg, "logger.group") is None:
                 overrides.append(f"++logger.group={quote(group)}")
             nproc = int(OmegaConf.select(job_cfg, "parallelism.nproc_per_node", default=1))
             server = OmegaConf.select(job_cfg, "placement.name") == "server"
             placement = tables.placement_settings(lambda key, c=job_cfg: OmegaConf.select(c, key), nproc * nnodes)
-            job = Job(num, overrides, swept, str(sweep_dir / subdir), nproc, nnodes, server=server, placement=placement)
-            job.reason = (
+            reason = (
                 server_skip_reason(job_cfg, gpus_here) if server else skip_reason(job_cfg, nproc * nnodes, gpus_here)
             )
-            if job.reason:
-                job.status = "skipped"
-            jobs.append(job)
+            status = "skipped" if reason else "pending"
+            jobs.append(Job(num, overrides, swept, job_dir, nproc, nnodes, server, status, reason, placement))
     finally:
         hydra_cfg.cfg = saved
     return jobs
@@ -128,9 +126,7 @@ def sweep_keys(config: DictConfig) -> set[str]:
 
     lines = [f"{k}={v}" for k, v in (OmegaConf.select(config, "hydra.sweeper.params") or {}).items()]
     lines += list(OmegaConf.select(config, "hydra.overrides.task") or [])
-    swept = {}
-    for override in OverridesParser.create().parse_overrides(lines):
-        swept[override.key_or_group] = override.is_sweep_override()
+    swept = {o.key_or_group: o.is_sweep_override() for o in OverridesParser.create().parse_overrides(lines)}
     return {key for key, is_sweep in swept.items() if is_sweep}
 
 

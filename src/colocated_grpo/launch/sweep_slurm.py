@@ -12,13 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo import run_files
 from colocated_grpo.launch.processes import free_port
-from colocated_grpo.launch.sweep_local import (
-    announce,
-    cancel_pending,
-    execute,
-    finish,
-    torchrun_command,
-)
+from colocated_grpo.launch.sweep_local import announce, cancel_pending, execute, finish, torchrun_command
 from colocated_grpo.launch.sweep_plan import Job, Options, default_script, plan
 from colocated_grpo.resilience.signals import sigterm_as_interrupt
 from colocated_grpo.run_files import read_json, write_json
@@ -61,8 +55,7 @@ def launch_submitit(
     jobs = plan(hydra_context, config, job_overrides, initial_job_idx, nnodes=nnodes)
     sweep_dir = announce(config, jobs, opts.dry_run)
     executor = submitit_executor(kind, params) if any(j.status == "pending" for j in jobs) else None
-    submitted = []
-    interrupted = False
+    submitted, interrupted = [], False
     try:
         with sigterm_as_interrupt():
             by_size: dict[int, list[Job]] = {}

@@ -143,7 +143,5 @@ def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> T
     else:
         checkpoint = run_dir / f"checkpoint-{stopper.stopped_at}"
         saved = f"after step {stopper.stopped_at} of {state.max_steps}: checkpoint saved to {checkpoint}"
-    return TrainingInterrupted(
-        stopper.signum,
-        f"training stopped by {name} {saved}; run files flushed and W&B run finished. Resume with: {command}",
-    )
+    said = f"training stopped by {name} {saved}; run files flushed and W&B run finished. Resume with: {command}"
+    return TrainingInterrupted(stopper.signum, said)

@@ -106,8 +106,7 @@ def checkpoints(run_dir: Path) -> list[Checkpoint]:
 
 
 def latest(run_dir: Path) -> Checkpoint | None:
-    found = checkpoints(run_dir)
-    return found[-1] if found else None
+    return (checkpoints(run_dir) or [None])[-1]
 
 
 def mark_complete_callback():
@@ -219,9 +218,8 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
                     time.sleep(0.1)
         raise
     if store is not None:
-        store.set(
-            key, json.dumps({"checkpoint": resume.checkpoint and resume.checkpoint.path.name, "step": resume.step})
-        )
+        decided = {"checkpoint": resume.checkpoint and resume.checkpoint.path.name, "step": resume.step}
+        store.set(key, json.dumps(decided))
     return resume
 
 
@@ -345,15 +343,12 @@ def check_config(cfg: DictConfig, run_dir: Path, previous: dict) -> None:
         changed.append(f"{key}: {old!r} -> {new!r}")
     if changed:
         overrides = previous.get("overrides")
-        hint = (
-            f"re-run with the overrides it was started with: {' '.join(overrides) or '(none)'}"
-            if overrides is not None
-            else "re-run it with the overrides it was started with"
-        )
+        given = f": {' '.join(overrides) or '(none)'}" if overrides is not None else ""
         raise ResumeError(
             f"{run_dir} was started with a different config, so it cannot be resumed with this one:\n  "
             + "\n  ".join(changed[:30])
-            + f"\nTo continue that run, {hint} (plus hydra.run.dir={run_dir}); to start a new run, choose a new "
+            + f"\nTo continue that run, re-run it with the overrides it was started with{given} (plus "
+            f"hydra.run.dir={run_dir}); to start a new run, choose a new "
             f"hydra.run.dir. Keys that may change on resume: {', '.join(MAY_CHANGE)}."
         )
 

@@ -43,5 +43,5 @@ def explain(exc: BaseException, run_dir: Path, then: str) -> DiskFull | None:
     text = text if len(text) <= 160 else text[:157] + "..."
     return DiskFull(
         f"no space left on the disk of the run directory {run_dir} ({space}; {type(first).__name__}: "
-        f"{text}). Free some space, then {then}",
+        f"{text}). Free some space, then {then}"
     )

@@ -61,10 +61,8 @@ class StopOnSignal(TrainerCallback):
         if self.signum is None:
             self.signum, self._first_at = signum, time.monotonic()
             log.warning(
-                "%s received: saving a checkpoint and stopping at the end of the current step "
-                "(send it again after %.0f s to stop at once, without a checkpoint)",
-                name,
-                REPEAT_WINDOW_S,
+                f"{name} received: saving a checkpoint and stopping at the end of the current step (send it again "
+                f"after {REPEAT_WINDOW_S:.0f} s to stop at once, without a checkpoint)"
             )
             return
         if time.monotonic() - self._first_at < REPEAT_WINDOW_S:

@@ -20,6 +20,11 @@ _NOT_SECRET_KEY = re.compile(r"(?i)(pad|eos|bos|unk|sep|cls|mask|chat|special|im
 _SECRET_ENV = re.compile(r"(?i)(api_?key|token|secret|password|passwd)")
 _EMPTY = ("null", "None", "~", "''", '""')
 _MIN_SECRET_LEN = 8  # shorter env values (flags like "1") would redact innocent text
+# key=value / key: value where the key ends like a credential (Hydra overrides, YAML lines; in
+# `override_dirname: +logger.api_key=…` the second key's value goes, not the whole line)
+_ASSIGNMENT = re.compile(
+    r"(?im)(^|[\s\"'\[,+~])([\w.\-]*(?:api_?key|token|secret|password|passwd|credentials?))(\s*[=:]\s*)([^\s,\]\"']+)"
+)
 
 
 def is_secret_key(key: str) -> bool:
@@ -36,18 +41,12 @@ def secret_values() -> list[str]:
 def redact_text(text: str, secrets: list[str] | None = None) -> str:
     for value in secret_values() if secrets is None else secrets:
         text = text.replace(value, REDACTED)
-    # key=value / key: value where the key ends like a credential (Hydra overrides, YAML lines; in
-    # `override_dirname: +logger.api_key=…` the second key's value goes, not the whole line)
-    return re.sub(
-        r"(?im)(^|[\s\"'\[,+~])([\w.\-]*(?:api_?key|token|secret|password|passwd|credentials?))(\s*[=:]\s*)"
-        r"([^\s,\]\"']+)",
-        lambda m: (
-            m.group(0)
-            if not is_secret_key(m.group(2)) or m.group(4) in _EMPTY
-            else f"{m.group(1)}{m.group(2)}{m.group(3)}{REDACTED}"
-        ),
-        text,
-    )
+
+    def kept_or_redacted(m: re.Match) -> str:
+        before, key, sep, value = m.groups()
+        return m[0] if not is_secret_key(key) or value in _EMPTY else f"{before}{key}{sep}{REDACTED}"
+
+    return _ASSIGNMENT.sub(kept_or_redacted, text)
 
 
 def redact(obj, secrets: list[str] | None = None):

@@ -74,8 +74,7 @@ def _handled(handler: Callable[[int, object], None], signums: tuple[int, ...]) -
 
     def restore() -> None:
         while previous:
-            sig, old = previous.popitem()
-            signal.signal(sig, old)
+            signal.signal(*previous.popitem())
 
     try:
         yield restore
@@ -104,11 +103,8 @@ def _during_ending(signum, frame) -> None:
 
 
 def _stop_ending() -> None:
-    print(
-        f"SIGTERM: the run's ending (run files, W&B, process group) took over {ENDING_GRACE_S:.0f} s; stopped",
-        file=sys.stderr,
-        flush=True,
-    )
+    said = f"SIGTERM: the run's ending (run files, W&B, process group) took over {ENDING_GRACE_S:.0f} s; stopped"
+    print(said, file=sys.stderr, flush=True)
     exit_now(128 + signal.SIGTERM)
 
 

@@ -12,12 +12,13 @@ be cut from here) and says so, and metrics.jsonl holds every step once either wa
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from colocated_grpo import run_files
-from colocated_grpo.compat.wandb import history, history_row, is_history, records, trainer_metric_names, truncate
+from colocated_grpo.compat.wandb import history, history_row, is_history, records, trainer_metric_names
 from colocated_grpo.run_files import STEP_KEY, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def rewind(wandb_dir: Path, run_id: str, step: int, checkpoint: Path | None) -> 
     dropped: dict[str, int] = {}
     for name, (log_file, cut, count) in cuts.items():
         if name.startswith("offline-"):
-            truncate(log_file, cut)
+            os.truncate(log_file, cut)  # as if the writer had died right before the first row cut
             dropped[name] = count
         else:
             log.warning(

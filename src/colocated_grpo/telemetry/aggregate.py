@@ -55,8 +55,7 @@ def step_metrics(
     step_s = _mean(r.phases.duration for r in reports)
     metrics = {"timing_s/step": step_s}
     per_rank = [r.phases.durations() for r in reports]
-    for phase in PHASES:
-        metrics[f"timing_s/{phase}"] = _mean(d[phase] for d in per_rank)
+    metrics.update({f"timing_s/{phase}": _mean(d[phase] for d in per_rank) for phase in PHASES})
 
     gpus = {s.gpu for r in reports for s in r.samples}
     n_gpus = len(gpus) or len(reports)  # every GPU sampled, a vLLM server's included; without GPUs: per process
@@ -95,9 +94,7 @@ def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:
     for gpu, samples in sorted(by_gpu.items()):
         for name in ("util", "mem_gb", "power_w", "sm_clock_mhz"):
             metrics[f"gpu/{gpu}/{name}"] = _mean(getattr(s, name) for s in samples)
-    for phase in PHASES:
-        if by_phase[phase]:
-            metrics[f"gpu/util_{phase}"] = _mean(by_phase[phase])
+    metrics.update({f"gpu/util_{phase}": _mean(by_phase[phase]) for phase in PHASES if by_phase[phase]})
     all_samples = [s for samples in by_gpu.values() for s in samples]
     metrics["gpu/idle_frac"] = sum(s.util < IDLE_UTIL for s in all_samples) / len(all_samples)
     metrics["gpu/samples"] = float(len(all_samples))

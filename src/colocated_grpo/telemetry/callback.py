@@ -33,8 +33,7 @@ class MetricsFileCallback(TrainerCallback):
     (the step's telemetry); summary.json kept current; the trainer's totals: trainer_summary.json."""
 
     def __init__(self, run_dir: Path, warmup_steps: int = 1, step_metrics: Callable[[], dict] | None = None):
-        self.run_dir = run_dir
-        self.step_metrics = step_metrics
+        self.run_dir, self.step_metrics = run_dir, step_metrics
         self.steady = aggregate.SteadyState(warmup_steps)
         self.writer: JsonlWriter | None = None
         self.last: dict = {}  # the record of the latest step (StepLine prints it)
@@ -80,22 +79,19 @@ class MetricsFileCallback(TrainerCallback):
 class TelemetryCallback(TrainerCallback):
     """Phase times, GPU samples and throughput of every step on every rank, aggregated on rank 0."""
 
+    sampler: nvml.GpuSampler | None = None
+    samples_writer = phases_writer = None  # JsonlWriters, on rank 0
+    n_params: int | None = None
+
     def __init__(self, trainer, run_dir: Path, interval_s: float = 0.2, sync_cuda: bool = True, peak_tflops=None):
         import torch
 
-        self.trainer = trainer
-        self.run_dir = run_dir
-        self.interval_s = interval_s
-        self.peak_tflops = peak_tflops
+        self.trainer, self.run_dir, self.interval_s, self.peak_tflops = trainer, run_dir, interval_s, peak_tflops
         self.cuda = torch.cuda.is_available()
         self.tracker = PhaseTracker(barrier=torch.cuda.synchronize if (self.cuda and sync_cuda) else None)
         self.tokens = TokenCounter()
         trainer.time_phases(self.tracker, self.tokens)  # compat.grpo_trainer.TimedGRPOTrainer and its subclasses
-        self.sampler: nvml.GpuSampler | None = None
-        self.samples_writer: JsonlWriter | None = None
-        self.phases_writer: JsonlWriter | None = None
         self.pending: dict[str, float] = {}
-        self.n_params: int | None = None
         self.constants: dict[str, float] = {}  # logged with every step: model size, KV-cache capacity
 
     def on_train_begin(self, args, state, control, **kwargs):

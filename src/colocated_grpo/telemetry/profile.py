@@ -117,11 +117,8 @@ def _merged_us(spans: list[tuple[float, float]]) -> tuple[float, list[float]]:
 def report(step: int, phases: dict[str, dict]) -> str:
     """The text of profile/step_K.txt: one `phase …` summary line per phase, then its top ops."""
     lines = [f"torch.profiler, step {step}: ops charged to the innermost phase that ran them (times in ms)", ""]
-    marked = list(MARKED[::-1])
-    order = marked + [p for p in phases if p not in marked]
-    for name in order:
-        if name not in phases:
-            continue
+    # the marked phases innermost first, then the rest
+    for name in [*(m for m in MARKED[::-1] if m in phases), *(p for p in phases if p not in MARKED)]:
         p = phases[name]
         busy = f", GPU busy {p['device_us'] / 1e3:.1f} ms" if p["device_us"] else ""
         if p["device_us"] and p["wall_us"]:

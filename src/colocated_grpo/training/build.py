@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 from colocated_grpo import run_files
 from colocated_grpo.compat import trl as trl_internals
 from colocated_grpo.resilience import checkpoints, out_of_memory, preemption, wandb_rewind
-from colocated_grpo.resilience.preemption import StopOnNonFinite
 from colocated_grpo.run_files import STEP_KEY, JsonlWriter
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback, install_step_line
 from colocated_grpo.telemetry.profile import ProfileStep
@@ -71,7 +70,7 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
         trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), is_main_process()))
     trainer.add_callback(stopper)
     if cfg.run.stop_on_nonfinite:
-        trainer.add_callback(StopOnNonFinite())
+        trainer.add_callback(preemption.StopOnNonFinite())
 
 
 def _recording_rollouts(reward_fn, run_dir: Path):
@@ -82,15 +81,11 @@ def _recording_rollouts(reward_fn, run_dir: Path):
     def reward(prompts, completions, **columns):
         scores = reward_fn(prompts, completions, **columns)
         state = columns.get("trainer_state")
-        writer.write(
-            {
-                # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
-                STEP_KEY: state.global_step + 1 if state is not None else None,
-                "prompts": [p if isinstance(p, str) else p[-1]["content"] for p in prompts],
-                "completions": [rewards.completion_text(c) for c in completions],
-                reward_fn.__name__: scores,
-            }
-        )
+        # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
+        record = {STEP_KEY: state.global_step + 1 if state is not None else None}
+        record["prompts"] = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        record["completions"] = [rewards.completion_text(c) for c in completions]
+        writer.write({**record, reward_fn.__name__: scores})
         return scores
 
     return reward

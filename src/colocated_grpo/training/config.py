@@ -38,10 +38,8 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
     if world is None:  # the processes: torchrun's WORLD_SIZE when launched, else what the sweep launcher will start
         world = int(os.environ.get("WORLD_SIZE") or OmegaConf.select(cfg, "parallelism.nproc_per_node", default=1))
     problems = [f"{k} is not set (???): {MISSING_FIXES.get(k, f'set it with {k}=<value>')}" for k in _missing_keys(cfg)]
-    field_problems = trainer_field_problems(cfg.trainer)
-    problems += field_problems
-    if not field_problems:  # the checks below read trainer values as the types they must have
-        problems += _trainer_problems(cfg, world)
+    # _trainer_problems reads trainer values as the types they must have: only once they have them
+    problems += trainer_field_problems(cfg.trainer) or _trainer_problems(cfg, world)
     problems += _reward_problems(cfg)
     if not OmegaConf.is_missing(cfg.model, "name_or_path"):
         problems += _model_problems(cfg.model)
@@ -188,9 +186,8 @@ def length_problems(cfg: DictConfig) -> list[str]:
     prompt = OmegaConf.select(cfg, "data.max_prompt_tokens")
     prompt = prompt if isinstance(prompt, int) and prompt > 0 else None
     engine = trainer_value(trainer, "vllm_max_model_length") if trainer_value(trainer, "use_vllm") else None
-    arch = None
-    if not OmegaConf.is_missing(cfg.model, "name_or_path") and not _model_problems(cfg.model):
-        arch = models.architecture(cfg.model)
+    known = not OmegaConf.is_missing(cfg.model, "name_or_path") and not _model_problems(cfg.model)
+    arch = models.architecture(cfg.model) if known else None
     context = arch.max_position_embeddings if arch else None
     derive = "set trainer.vllm_max_model_length=null to derive it from the prompts and max_completion_length"
     if engine is not None:
@@ -391,9 +388,7 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
     from trl import GRPOConfig
 
     kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    for key, value in (derived or {}).items():
-        if kwargs.get(key) is None:
-            kwargs[key] = value
+    kwargs.update({key: value for key, value in (derived or {}).items() if kwargs.get(key) is None})
     if not torch.cuda.is_available():
         # Without it, transformers ignores torchrun on CPU and every rank trains alone (world size 1).
         kwargs.setdefault("use_cpu", True)
@@ -416,13 +411,8 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         )
     if ours or users:
         kwargs["generation_kwargs"] = {**ours, **users}
-    ours = {
-        "output_dir": output_dir,
-        "report_to": report_to,
-        "run_name": cfg.run.name,
-        "seed": int(cfg.seed),
-        "reward_weights": [float(w) for w in cfg.reward.weights.values()],
-    }
+    ours = dict(output_dir=output_dir, report_to=report_to, run_name=cfg.run.name, seed=int(cfg.seed))
+    ours["reward_weights"] = [float(w) for w in cfg.reward.weights.values()]
     try:
         return GRPOConfig(**ours, **kwargs)
     except (ValueError, TypeError) as exc:  # TRL's and transformers' own rules on the combination of settings

@@ -126,11 +126,10 @@ def _option_problems(data_cfg) -> list[str]:
             "data.system_prompt is set but data.chat_template=false: a plain-text prompt has no system turn; "
             "set data.chat_template=true or data.system_prompt=null"
         )
-    if data_cfg.source in ("hub", "local"):
-        if data_cfg.source == "local":
-            found += _file_problems(data_cfg)
-        if not isinstance(data_cfg.get("prompt_column"), str):
-            found.append("data.prompt_column must name the column holding the prompts (e.g. data.prompt_column=prompt)")
+    if data_cfg.source == "local":
+        found += _file_problems(data_cfg)
+    if data_cfg.source in ("hub", "local") and not isinstance(data_cfg.get("prompt_column"), str):
+        found.append("data.prompt_column must name the column holding the prompts (e.g. data.prompt_column=prompt)")
     return found
 
 
@@ -177,13 +176,9 @@ def _build(data_cfg):
         )
     if source == "gsm8k":
         ds = datasets.load_dataset(data_cfg.path, data_cfg.name, split=data_cfg.split)
-        ds = ds.map(
-            lambda r: {
-                "prompt": _conversation(r["question"], system_prompt),
-                "answer": r["answer"].split("####")[-1].strip().replace(",", ""),
-            },
-            remove_columns=ds.column_names,
-        )
+        answer = lambda r: r["answer"].split("####")[-1].strip().replace(",", "")  # GSM8K's final answer follows ####
+        row = lambda r: {"prompt": _conversation(r["question"], system_prompt), "answer": answer(r)}
+        ds = ds.map(row, remove_columns=ds.column_names)
         return _limit(ds, data_cfg.get("num_samples"))
     ds = _load_source(data_cfg)
     if found := column_problems(data_cfg, ds.column_names, {}):

@@ -52,21 +52,11 @@ def choose(cfg: DictConfig, longest_prompt: int | None) -> tuple[dict, str | Non
     off = need.without_checkpointing <= room
     line = (
         f"gradient checkpointing: {'off' if off else 'on'} (chosen: micro-batches of {need.micro_batch} x "
-        f"{need.sequence} tokens "
-        f"train in ~{need.without_checkpointing / GIB:.1f} GiB without it, of which activations "
+        f"{need.sequence} tokens train in ~{need.without_checkpointing / GIB:.1f} GiB without it, of which activations "
         f"{need.activations / GIB:.1f}; {room / GIB:.1f} GiB usable of {budget / GIB:.1f} {where}); "
         f"trainer.gradient_checkpointing={'true' if off else 'false'} overrides"
     )
     return {"gradient_checkpointing": not off}, line
-
-
-def _sequence(cfg: DictConfig, longest_prompt: int | None) -> int:
-    """Tokens of the longest training sequence: the longest prompt plus a whole completion (without the prompts, the
-    engine's context where it is set)."""
-    engine = cfg.trainer.get("vllm_max_model_length")
-    if longest_prompt is None and engine is not None:
-        return int(engine)
-    return (longest_prompt or 0) + int(config.trainer_value(cfg.trainer, "max_completion_length"))
 
 
 def training_need(cfg: DictConfig, model_config: dict, longest_prompt: int | None) -> Need:
@@ -94,11 +84,14 @@ def training_need(cfg: DictConfig, model_config: dict, longest_prompt: int | Non
         state = params * 4 * size  # weights, gradients and AdamW's two moments in the weights' dtype
 
     micro_batch = int(config.trainer_value(cfg.trainer, "per_device_train_batch_size"))
-    sequence = _sequence(cfg, longest_prompt)
+    completion = int(config.trainer_value(cfg.trainer, "max_completion_length"))
+    # the longest training sequence: the longest prompt plus a whole completion (without the prompts, the engine's
+    # context where it is set)
+    engine = cfg.trainer.get("vllm_max_model_length")
+    sequence = int(engine) if longest_prompt is None and engine is not None else (longest_prompt or 0) + completion
     per_token_layer = size * (PER_HIDDEN * hidden + PER_INTERMEDIATE * intermediate + PER_KV * kv)
-    completion = micro_batch * int(config.trainer_value(cfg.trainer, "max_completion_length"))
     activations = micro_batch * sequence * layers * per_token_layer
-    return Need(state, activations, completion * vocab * LOGIT_BYTES, micro_batch, sequence)
+    return Need(state, activations, micro_batch * completion * vocab * LOGIT_BYTES, micro_batch, sequence)
 
 
 def _parameters(hidden: int, intermediate: int, layers: int, kv: int, vocab: int) -> int:

@@ -164,19 +164,14 @@ def _write_model(shape: Shape, out: Path) -> None:
     tokenizer = build_tokenizer(shape.vocab_size)
     tokenizer.save_pretrained(out)
     dimensions = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("vocab_size", "dtype")}
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id  # <|endoftext|> (also the text's start), <|im_end|>
+    ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        **dimensions,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        rope_theta=1_000_000.0,
-        torch_dtype=shape.dtype,
+        vocab_size=len(tokenizer), **dimensions, **ids, rope_theta=1_000_000.0, torch_dtype=shape.dtype
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(getattr(torch, shape.dtype))
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.update(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     (out / "BUILD.json").write_text(json.dumps({"shape": shape.__dict__, "weights": "random (seed 0)"}, indent=2))
 
@@ -190,23 +185,15 @@ def build_tokenizer(vocab_size: int | None = None):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False
     )
     tok.train_from_iterator(arithmetic_corpus(), trainer=trainer)
     if vocab_size:
         tok = _pad_vocab(tok, vocab_size)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
-    )
+    special = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, model_max_length=32768, **special)
 
 
 def _pad_vocab(tok, vocab_size: int):

@@ -37,12 +37,9 @@ def exact_answer(completions: list[str], answer: list[str], **_) -> list[float |
     """1.0 when the final answer (the last \\boxed{} if any, else the last number) equals `answer` exactly."""
     scores = []
     for text, gold in zip(completions, answer, strict=True):
-        if gold is None:
-            scores.append(None)
-            continue
         boxed = _BOXED.findall(text)
         numbers = _NUMBER.findall(boxed[-1] if boxed else text)
-        scores.append(float(bool(numbers) and numbers[-1] == str(gold).strip()))
+        scores.append(None if gold is None else float(bool(numbers) and numbers[-1] == str(gold).strip()))
     return scores
 
 
@@ -51,14 +48,9 @@ def math_accuracy(completions: list[str], answer: list[str], **_) -> list[float 
     """1.0 when math-verify finds the completion's answer equivalent to `answer` (LaTeX, fractions, ...)."""
     from math_verify import parse, verify
 
-    scores = []
-    for text, gold in zip(completions, answer, strict=True):
-        gold_parsed = parse(str(gold)) if gold is not None else []
-        if not gold_parsed:
-            scores.append(None)  # an unparsable reference says nothing about the completion
-            continue
-        scores.append(float(verify(gold_parsed, parse(text))))
-    return scores
+    golds = [parse(str(gold)) if gold is not None else [] for gold in answer]
+    # None for an unparsable reference: it says nothing about the completion
+    return [float(verify(gold, parse(text))) if gold else None for text, gold in zip(completions, golds, strict=True)]
 
 
 @register

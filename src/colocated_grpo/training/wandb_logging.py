@@ -59,17 +59,10 @@ def _init(cfg: DictConfig, run_dir: Path, metadata: dict, run_id: str | None):
 
     asked = asked_mode()
     timeout = float(cfg.logger.get("init_timeout_s") or INIT_TIMEOUT_S)
-    kwargs = dict(
-        project=cfg.logger.project,
-        entity=cfg.logger.get("entity"),
-        group=cfg.logger.get("group"),
-        tags=list(cfg.logger.get("tags") or []),
-        name=run_dir.name,
-        dir=str(run_dir),
-        id=run_id,
-        resume="allow" if run_id else None,
-        config=redact({"cfg": OmegaConf.to_container(cfg, resolve=True), **metadata}),
-    )
+    logger = cfg.logger
+    kwargs = dict(project=logger.project, entity=logger.get("entity"), group=logger.get("group"), name=run_dir.name)
+    kwargs.update(tags=list(logger.get("tags") or []), dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
+    kwargs["config"] = redact({"cfg": OmegaConf.to_container(cfg, resolve=True), **metadata})
     started = time.monotonic()
     try:
         # quiet: no history block at the end (our own summary follows)
