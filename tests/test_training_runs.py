@@ -159,10 +159,12 @@ def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):
 @pytest.fixture(scope="module")
 def two_seeds(train):
     """Seeds 0 and 1 over the same prompts in the same order (no shuffle, data seed 0), each completion run to
-    max_completion_length; seed 0 with 2 GiB of KV cache, seed 1 without telemetry (neither changes a token)."""
+    max_completion_length; seed 0 with 2 GiB of KV cache and its last step under torch.profiler, seed 1 without
+    telemetry (none of these changes a token)."""
     common = ("trainer.max_steps=2", "+trainer.shuffle_dataset=false", "data.seed=0", "logger=none")
     common += ("run.fixed_completion_length=true",)
-    return train(*common, "seed=0", "run.cpu_kvcache_gb=2"), train(*common, "seed=1", "telemetry=off")
+    seed_0 = train(*common, "seed=0", "run.cpu_kvcache_gb=2", "telemetry.profile_step=2")
+    return seed_0, train(*common, "seed=1", "telemetry=off")
 
 
 def test_fixed_completion_length_stops_early_eos_in_vllm(two_seeds, default_run):
@@ -312,12 +314,12 @@ def test_two_plain_runs_started_together_both_train(run_env, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
 
 
-def test_a_profiled_step_is_split_by_phase_and_op(train):
+def test_a_profiled_step_is_split_by_phase_and_op(two_seeds):
     """telemetry.profile_step: the step runs under torch.profiler; the engine's decode ops land in generate, the
     policy's backward in train, and the trace opens in Perfetto (Chrome trace JSON, gzipped)."""
     import gzip
 
-    run = train("logger=none", "trainer.max_steps=2", "trainer.save_strategy=no", "telemetry.profile_step=2")
+    run = two_seeds[0]
     text = (run.dir / "profile" / "step_2.txt").read_text()
     sections = {part.split(":")[0]: part for part in text.split("phase ")[1:]}
     assert {"generate", "other", "train"} <= set(sections)
