@@ -281,12 +281,13 @@ class _GenerationStats:
     def add(self, logps, sampling_logps, mask, ratio, per_sequence: bool) -> None:
         delta = (logps - sampling_logps).abs()
         scored = mask.bool() & ~delta.isnan()
+        scored_delta = delta.masked_fill(~scored, 0.0)
         counted = torch.ones_like(ratio, dtype=torch.bool) if per_sequence else mask.bool()
         stats = torch.stack(
             [
-                delta.masked_fill(~scored, 0.0).sum(),
+                scored_delta.sum(),
                 scored.sum(),
-                delta.masked_fill(~scored, 0.0).max(),  # |delta| >= 0: an empty batch gives 0
+                scored_delta.max(),  # |delta| >= 0: an empty batch gives 0
                 ratio.masked_fill(~counted, 0.0).sum(),
                 counted.sum(),
                 ratio.masked_fill(~counted, math.inf).min(),
