@@ -118,6 +118,8 @@ def server_command(cfg: DictConfig, model_path: str, plan_: ServerPlan) -> list[
 
 def wait_until_healthy(url: str, proc, timeout_s: float, log_path: Path) -> float:
     """Poll `url` until it answers 200; ServerError naming the cause when the server dies or time runs out."""
+    # Not TRL's VLLMClient.check_server: it polls on after the server process has died, until its timeout, and
+    # cannot name the cause; this stops at once with the server's exit code and last log lines.
     start = time.monotonic()
     last_lines = lambda: f"; last lines of {log_path}:\n" + "\n".join(processes.tail(log_path))
     while True:

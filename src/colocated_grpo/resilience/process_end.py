@@ -62,6 +62,8 @@ def _first_to_report() -> bool:
     processes on this node to claim it (rank 0 gets a head start). Not rank 0 alone: when another rank fails first,
     rank 0 fails in the next collective and would print that consequence (a gather cut off by the peer) instead of
     the cause (test_a_failing_two_rank_run_prints_its_error_once_without_the_libraries_noise)."""
+    # Not torchrun's @record error files: its agent prints them only once every rank has ended, inside its own
+    # failure summary; a claim lets the first rank that fails print its one line as it fails.
     if not torchrun_worker():
         return True
     rank0 = int(os.environ.get("RANK", "0")) == 0

@@ -100,6 +100,8 @@ _held_stores = []  # the rendezvous store this process hosts, alive as long as t
 def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
     """Set (and return) what a one-process run needs: MASTER_ADDR / MASTER_PORT of a store held here (unless
     MASTER_PORT is set) and, for ZeRO-3, rank 0 of 1 as torchrun sets it (else DeepSpeed looks for MPI)."""
+    # Not a re-exec under `torchrun --standalone`: `python train.py` stays the one process the user started (its
+    # signals, exit code and debugger), with its rendezvous port held from before the model loads.
     if "RANK" in os.environ:
         return {}
     values = {}
