@@ -245,6 +245,19 @@ signals.run_main(main)
 """
 
 
+def test_the_trainers_stop_line_is_found_behind_torchruns_traceback(tmp_path):
+    """Under torchrun the ranks' stop lines are followed by torchrun's SignalException traceback, whose length depends
+    on where the signal met its agent (30 lines in one run of the test below, more in others): the saved checkpoint is
+    read from the stop line wherever the tail of the log puts it."""
+    log = tmp_path / "trainer.log"
+    stop = "training stopped by SIGTERM after step 3 of 30: checkpoint saved to RUN/checkpoint-3; run files flushed"
+    frames = [f'  File "torch/distributed/elastic/agent/server/api.py", line {n}, in _invoke_run' for n in range(40)]
+    log.write_text("\n".join(["step 1", stop, stop, "Traceback (most recent call last):", *frames]) + "\n")
+    assert server.what_the_trainer_saved(log) == "SIGTERM after step 3 of 30: checkpoint saved to RUN/checkpoint-3"
+    log.write_text("step 1\n" + "\n".join(frames) + "\n")
+    assert server.what_the_trainer_saved(log) is None, "no stop line: none is made up"
+
+
 @pytest.mark.parametrize("nproc", [1, 2], ids=["python", "torchrun"])
 def test_sigterm_on_the_orchestrator_lets_the_trainer_save_and_exits_as_interrupted_with_a_one_server_resume(
     tmp_path, nproc

@@ -174,9 +174,7 @@ def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, 
         name = signal.Signals(signum).name
         log.warning("%s: passed to the trainer, which has %.0f s (placement.stop_grace_s) to save", name, grace_s)
         code = processes.stop(trainer, grace_s, signum)
-        said = [line for line in processes.tail(log_path) if "training stopped by" in line]
-        cut = said[-1].split("training stopped by", 1)[1].split("; run files", 1)[0].strip() if said else None
-        if cut:
+        if cut := what_the_trainer_saved(log_path):
             what = f"the trainer stopped (exit {code}) by {cut}"
         else:
             last = checkpoints.latest(log_path.parent)  # the trainer's log lies in the run directory
@@ -186,6 +184,17 @@ def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, 
         raise TrainingInterrupted(code - 128 if code > 128 else signum, message) from None
     finally:
         processes.stop(trainer, 1.0)  # stragglers of a trainer that ended (none is the usual case)
+
+
+# Lines of the trainer's log searched, from its end, for its own stop line: after it come the other ranks' and
+# torchrun's (its SignalException traceback alone is about 30), so the 30 lines shown of a failure are too few.
+STOP_LINE_WINDOW = 1000
+
+
+def what_the_trainer_saved(log_path: Path) -> str | None:
+    """What the trainer's last stop line (resilience/attempts.py: "training stopped by …") says it saved, or None."""
+    said = [line for line in processes.tail(log_path, STOP_LINE_WINDOW) if "training stopped by" in line]
+    return said[-1].split("training stopped by", 1)[1].split("; run files", 1)[0].strip() if said else None
 
 
 def launch(cfg: DictConfig, plan_: ServerPlan, run_dir: Path, user_overrides: list[str], model_path: str) -> int:
