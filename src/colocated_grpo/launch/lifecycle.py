@@ -110,6 +110,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     if rank0:  # Hydra wrote its record before any code of ours ran: no credential stays in it, even if refused below
         redaction.scrub_files(run_dir / run_files.HYDRA)
     build.single_process_rendezvous(cfg)  # a plain `python train.py`: its own rendezvous port, as torchrun gives
+    build.skip_deepspeed_cpu_shm_build(cfg)  # before GRPOConfig starts DeepSpeed's comm backend
     world = launched_world_size(cfg)
 
     # Checks, before W&B starts and the model loads: a refusal is recorded in run.json.

@@ -113,6 +113,17 @@ def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
     return values
 
 
+def skip_deepspeed_cpu_shm_build(cfg: DictConfig) -> None:
+    """ZeRO-3 on CPU: DeepSpeed's comm backend builds its shared-memory all-reduce when it starts (a C++ build, about
+    70 s on first use, and a compiler needed) for inference_all_reduce alone, which ZeRO-3 training never calls."""
+    import torch
+
+    if not torch.cuda.is_available() and str(cfg.parallelism.name).startswith("zero3"):
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps the probed dict: edits hold
+
+
 def _host_store(host: str) -> int:
     from torch.distributed import TCPStore
 
