@@ -664,6 +664,7 @@ def test_the_plain_trl_study_plans_its_plain_cases_on_this_machine(run_env, tmp_
 # Completions generated per step by each case of a shipped study: equal work in every case of the placement study;
 # the number in the case name in the fast-outputs study; 128 in every case of the fast-sync study.
 COMPLETIONS_PER_STEP = {
+    "checkpointing_h200": lambda case: 256,
     "h200_x2": lambda case: 64,
     "fast_outputs_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "fast_sync_h200": lambda case: 128,
