@@ -5,6 +5,7 @@ runs: job k/N, step, time elapsed and left; at the end SWEEP_DIR/summary.csv and
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -115,7 +116,10 @@ def error_line(log_path: Path) -> str | None:
 def launch_local(hydra_context, config: DictConfig, task_function, job_overrides, initial_job_idx: int, opts: Options):
     """Run the jobs one after another, each as its own torchrun on this machine; returns Hydra JobReturns."""
     script = opts.script or sweep_plan.default_script(task_function)
+    gc.disable()  # the plan's checks import TRL: paused while it loads, then frozen, as in train.py's main
     jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=sweep_plan.gpus_on_this_machine())
+    gc.freeze()
+    gc.enable()
     sweep_dir = announce(config, jobs, opts.dry_run)
     interrupted = False
     runnable = [] if opts.dry_run else [job for job in jobs if job.status == "pending"]
@@ -133,6 +137,7 @@ def launch_local(hydra_context, config: DictConfig, task_function, job_overrides
     except KeyboardInterrupt:
         interrupted = True
         cancel_pending(jobs)
+    gc.unfreeze()  # what stays frozen is never freed at exit, and triton's bindings then report leaks
     return finish(sweep_dir, jobs, interrupted)
 
 
