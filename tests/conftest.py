@@ -5,6 +5,7 @@ fast set, seconds instead of minutes."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -59,6 +60,15 @@ def pytest_configure(config):
     # it inherits that: the Ctrl-C tests' runs would not hear their Ctrl-C.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_sessionstart(session):
+    gc.disable()  # the test modules import torch, transformers, TRL and vLLM: paused, then frozen, as train.py does
+
+
+def pytest_collection_finish(session):
+    gc.freeze()  # out of the passes that each test's garbage would otherwise run over the whole heap
+    gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):
