@@ -62,13 +62,17 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def pytest_sessionstart(session):
-    gc.disable()  # the test modules import torch, transformers, TRL and vLLM: paused, then frozen, as train.py does
-
-
-def pytest_collection_finish(session):
-    gc.freeze()  # out of the passes that each test's garbage would otherwise run over the whole heap
-    gc.enable()
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """The test modules import torch, transformers, TRL and vLLM: the collector paused while they do, then what they
+    made frozen out of the passes each test's garbage would run over the whole heap, as train.py does. One hook, so
+    that the collector is on again in every process, xdist's controller too (it collects nothing)."""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):
