@@ -137,7 +137,8 @@ def launch_local(hydra_context, config: DictConfig, task_function, job_overrides
     except KeyboardInterrupt:
         interrupted = True
         cancel_pending(jobs)
-    gc.unfreeze()  # what stays frozen is never freed at exit, and triton's bindings then report leaks
+    finally:  # what stays frozen is never freed at exit, and triton's bindings then report leaks
+        gc.unfreeze()
     return finish(sweep_dir, jobs, interrupted)
 
 
