@@ -141,6 +141,7 @@ def test_zero3_two_ranks_with_tensor_parallel_two(train):
         nproc=2,
     )
     assert assert_gathered_weights_reach_the_engine(run)["world_size"] == 2
+    assert "deepspeed_shm_comm" not in run.output, "DeepSpeed's inference-only all-reduce is neither built nor loaded"
     checkpoint = run.dir / "checkpoint-3"
     assert (checkpoint / "model.safetensors").exists(), "stage3_gather_16bit_weights_on_model_save: full weights"
     states = _optimizer_states(checkpoint)
