@@ -525,7 +525,8 @@ def test_kv_cache_errors_name_max_model_length_and_utilization():
 
     with pytest.raises(ValueError) as too_small:
         _check_enough_kv_cache_memory(2**30, lambda: 3 * 2**30, 4096, lambda mem: 1365)
-    err = str(out_of_memory.explain_startup_error(too_small.value, _cfg("trainer.vllm_max_model_length=4096")))
+    cfg = _cfg("trainer.vllm_max_model_length=4096", "run.cpu_kvcache_gb=1")
+    err = str(out_of_memory.explain_startup_error(too_small.value, cfg))
     budget = "run.cpu_kvcache_gb=1" if not torch.cuda.is_available() else "trainer.vllm_gpu_memory_utilization=0.3"
     assert (
         f"vLLM's KV cache cannot hold one sequence of trainer.vllm_max_model_length=4096: it needs 3.0 GiB, but "

@@ -148,7 +148,7 @@ def test_fixed_completion_length_maps_to_each_backends_own_kwargs():
 @pytest.mark.parametrize(
     "override, says",
     [
-        ("run.cpu_kvcache_gb=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+        ("run.cpu_kvcache_gb=abc", "Value 'abc' of type 'str' could not be converted to Float"),
         ("run.fixed_completion_length=sometimes", "Value 'sometimes' is not a valid bool"),
         ("telemetry.interval_s=abc", "Value 'abc' of type 'str' could not be converted to Float"),
         ("run.resum=auto", "Key 'resum' not in 'Run'"),

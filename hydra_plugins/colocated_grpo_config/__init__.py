@@ -20,7 +20,7 @@ OPEN = ("trainer", "reward.weights", "reward.params")
 class Run:
     name: str = MISSING
     cache_dir: str = MISSING
-    cpu_kvcache_gb: int = MISSING  # vLLM reads VLLM_CPU_KVCACHE_SPACE as whole GiB
+    cpu_kvcache_gb: float = MISSING  # GiB; vLLM takes it in bytes, so fractions too
     resume: str = MISSING  # one of checkpoints.RESUME_MODES, checked by config.validate
     stop_on_nonfinite: bool = MISSING
     fixed_completion_length: bool = MISSING

