@@ -123,12 +123,14 @@ def test_summary_refuses_a_missing_directory_in_one_line_and_prints_a_run_withou
 
 
 def test_missing_extra_is_refused_up_front_naming_the_extra():
+    from colocated_grpo.analysis.notebook import FIGURES, require_extra
+
     with pytest.raises(SystemExit) as err:
-        provenance.require_extra("notebooks", ["matplotlib", "no_such_module_xyz"], "study run")
+        require_extra("notebooks", ["matplotlib", "no_such_module_xyz"], "study run")
     message = str(err.value)
     assert "study run needs no_such_module_xyz (the `notebooks` extra)" in message
     assert 'pip install -e ".[notebooks]"' in message and "matplotlib" not in message.split("needs")[1].split("(")[0]
-    provenance.require_extra("notebooks", provenance.FIGURES, "render")  # installed here: no refusal
+    require_extra("notebooks", FIGURES, "render")  # installed here: no refusal
 
 
 def test_study_run_refuses_without_matplotlib_before_running_anything(tmp_path):

@@ -1,7 +1,9 @@
 """Every experiment composes and validates; each bad input fails before any model is loaded, naming key and fix."""
 
 import importlib.util
+import json
 import os
+import sys
 
 import pytest
 import torch
@@ -228,6 +230,52 @@ def test_trainer_values_are_checked_against_grpo_field_types_all_at_once():
     assert (
         "trainer.top_pp is not a trl.GRPOConfig field" in problems[3] and "did you mean trainer.top_p?" in problems[3]
     )
+
+
+def test_the_field_table_of_the_installed_trl_is_grpo_configs_own():
+    from scripts.write_grpo_fields import field_table
+
+    from colocated_grpo.training.config import FIELD_TABLES
+
+    live = field_table()
+    shipped = [t for t in json.loads(FIELD_TABLES.read_text()) if t["versions"] == live["versions"]]
+    assert shipped == [live], "another TRL or transformers: python tests/scripts/write_grpo_fields.py writes its table"
+
+
+def test_each_field_type_read_from_the_table_describes_and_checks_values_as_grpo_configs_own():
+    import typing
+
+    from scripts.write_grpo_fields import field_table
+    from trl import GRPOConfig
+
+    from colocated_grpo.training import field_types
+    from colocated_grpo.training.config import FIELD_TABLES, grpo_fields
+
+    (table,) = [t for t in json.loads(FIELD_TABLES.read_text()) if t["versions"] == field_table()["versions"]]
+    hints = typing.get_type_hints(GRPOConfig)
+    probes = [1, 1.5, "steps", "no", "bf16", True, False, None, [1], ["a"], {"a": 1}]
+    untyped = []
+    for name, (annotation, default) in grpo_fields().items():
+        if "Any" in table["fields"][name][0].replace("dict[str, Any]", ""):  # no JSON form: any value passes
+            untyped.append(name)
+            continue
+        assert field_types.describe(annotation) == field_types.describe(hints[name]), name
+        for value in [*probes, default]:
+            assert field_types.fits(value, annotation) == field_types.fits(value, hints[name]), (name, value)
+    assert untyped == ["parallelism_config"]  # accelerate's ParallelismConfig object
+
+
+def test_validating_a_config_with_the_table_imports_no_torch_transformers_or_trl():
+    """What a sweep's parent does for each job before it starts one (~1 s of CPU instead of ~5)."""
+    code = (
+        "import sys; from hydra import compose, initialize_config_dir; "
+        "from colocated_grpo.training.config import validate; "
+        f"initialize_config_dir(config_dir={str(CONF)!r}, version_base='1.3'); "
+        "validate(compose('train', ['+experiment=qwen_colocate', 'trainer.max_steps=3']), 1); "
+        "print(sorted(m for m in ('torch', 'transformers', 'trl.trainer.grpo_config') if m in sys.modules))"
+    )
+    proc = run_bounded([sys.executable, "-c", code], env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
 
 
 def test_model_init_kwargs_that_is_no_mapping_is_one_config_problem():

@@ -1,25 +1,19 @@
-"""Where a result comes from: the checkout it was made with and the versions of the packages that made it; which
-optional packages are installed; the tools' command lines."""
+"""Where a result comes from: the checkout it was made with and the versions of the packages that made it; the tools'
+command lines."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import platform
 import re
 import subprocess
-from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (train.py, conf/, sweeps/), when the package runs from one
 CHECKOUT_VARIABLE = "COLOCATED_GRPO_CHECKOUT"
-
-# The `notebooks` extra: figures (a study's report, `render`) and notebooks executed headless.
-FIGURES = ("matplotlib",)
-NOTEBOOKS = ("matplotlib", "jupytext", "nbclient", "nbformat", "ipykernel")
 
 
 def checkout() -> Path:
@@ -33,15 +27,6 @@ def checkout() -> Path:
         "this command runs train.py with the configs in conf/, which live in a checkout of colocated-grpo, not in "
         f"the installed package: run it from the checkout, or set {CHECKOUT_VARIABLE}=/path/to/checkout"
     )
-
-
-def require_extra(extra: str, modules: Iterable[str], command: str) -> None:
-    """Refuse, naming the extra to install, when a module `command` needs is missing: before long work, not after."""
-    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
-        raise SystemExit(
-            f'{command} needs {", ".join(missing)} (the `{extra}` extra): pip install -e ".[{extra}]" in the '
-            f'checkout, or pip install "colocated-grpo[{extra}]"'
-        )
 
 
 def command_parser(module: str, description: str | None, prog: str | None) -> argparse.ArgumentParser:

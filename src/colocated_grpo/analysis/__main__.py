@@ -9,8 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from colocated_grpo.analysis.notebook import FIGURES, require_extra
 from colocated_grpo.analysis.tables import is_run_dir, load_jobs, print_run, print_summary, write_summary
-from colocated_grpo.provenance import FIGURES, require_extra
 
 PROG = "python -m colocated_grpo.analysis"
 

@@ -5,17 +5,33 @@
 
 The values given go in a cell (tagged `injected-parameters`) right after the one tagged `parameters`, as papermill
 does: a Python literal where one parses (a number, None, True), else a string. The notebook (jupytext .py or .ipynb)
-runs in the current directory; a failing cell fails the command.
+runs in the current directory; a failing cell fails the command. `require_extra`: the tools' check, before long work,
+that the `notebooks` extra they draw figures with is installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
-from colocated_grpo.provenance import NOTEBOOKS, command_parser, require_extra
+from colocated_grpo.provenance import command_parser
+
+# The `notebooks` extra: figures (a study's report, `render`) and notebooks executed headless.
+FIGURES = ("matplotlib",)
+NOTEBOOKS = ("matplotlib", "jupytext", "nbclient", "nbformat", "ipykernel")
+
+
+def require_extra(extra: str, modules: Iterable[str], command: str) -> None:
+    """Refuse, naming the extra to install, when a module `command` needs is missing: before long work, not after."""
+    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
+        raise SystemExit(
+            f'{command} needs {", ".join(missing)} (the `{extra}` extra): pip install -e ".[{extra}]" in the '
+            f'checkout, or pip install "colocated-grpo[{extra}]"'
+        )
 
 
 def execute(

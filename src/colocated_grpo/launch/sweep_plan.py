@@ -15,6 +15,7 @@ from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
 from colocated_grpo.compat.hydra import override_dirname
 from colocated_grpo.run_files import write_json
+from colocated_grpo.telemetry import nvml
 from colocated_grpo.training.config import ConfigError, gpu_only_problems, validate
 
 
@@ -141,7 +142,9 @@ def quote(value: str) -> str:
 
 
 def gpus_on_this_machine() -> int:
-    """CUDA devices on this machine (0 on a CPU-only one)."""
+    """CUDA devices on this machine: 0 where NVML sees no NVIDIA GPU (without torch's import, ~1 s of CPU)."""
+    if nvml.unavailable():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

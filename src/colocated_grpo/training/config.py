@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -76,9 +78,20 @@ def _missing_keys(node, prefix: str = "") -> list[str]:
     return keys
 
 
+# GRPOConfig's fields by TRL and transformers version (.ci's pins; tests/scripts/write_grpo_fields.py): reading them
+# from GRPOConfig imports torch, transformers and TRL, ~4 s of CPU that a sweep's parent needs for nothing else.
+FIELD_TABLES = Path(__file__).with_name("grpo_fields.json")
+TYPE_NAMES = {"Literal": typing.Literal, "Any": typing.Any}  # with the builtins, the names its types are written in
+
+
 @functools.cache
 def grpo_fields() -> dict:
-    """trl.GRPOConfig's init fields: name -> (annotation, default; MISSING where it has none)."""
+    """trl.GRPOConfig's init fields: name -> (annotation, default), from the table of the TRL and transformers
+    installed, else from GRPOConfig itself."""
+    versions = {name: importlib.metadata.version(name) for name in ("trl", "transformers")}
+    for table in json.loads(FIELD_TABLES.read_text()):
+        if table["versions"] == versions:
+            return {name: (eval(text, dict(TYPE_NAMES)), default) for name, (text, default) in table["fields"].items()}
     from trl import GRPOConfig
 
     hints = typing.get_type_hints(GRPOConfig)

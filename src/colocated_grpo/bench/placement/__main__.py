@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from colocated_grpo.analysis.notebook import FIGURES, require_extra
 from colocated_grpo.bench.placement import calibration, figures, validation
 from colocated_grpo.bench.placement.model import Workload, placements, predict, same_size
 from colocated_grpo.bench.study import definition, running
-from colocated_grpo.provenance import FIGURES, command_parser, require_extra
+from colocated_grpo.provenance import command_parser
 from colocated_grpo.run_files import write_json
 from colocated_grpo.telemetry.phases import PHASES
 

@@ -22,8 +22,9 @@ prints the steps `run` would take and their commands, without running any (with 
 
 from __future__ import annotations
 
+from colocated_grpo.analysis.notebook import FIGURES, require_extra
 from colocated_grpo.bench.study import report, running
-from colocated_grpo.provenance import FIGURES, command_parser, require_extra
+from colocated_grpo.provenance import command_parser
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
