@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import sys
+import typing
 
 import pytest
 import torch
@@ -243,8 +244,6 @@ def test_the_field_table_of_the_installed_trl_is_grpo_configs_own():
 
 
 def test_each_field_type_read_from_the_table_describes_and_checks_values_as_grpo_configs_own():
-    import typing
-
     from scripts.write_grpo_fields import field_table
     from trl import GRPOConfig
 
@@ -263,6 +262,27 @@ def test_each_field_type_read_from_the_table_describes_and_checks_values_as_grpo
         for value in [*probes, default]:
             assert field_types.fits(value, annotation) == field_types.fits(value, hints[name]), (name, value)
     assert untyped == ["parallelism_config"]  # accelerate's ParallelismConfig object
+
+
+def test_without_a_table_for_the_installed_versions_the_fields_come_from_grpo_config(tmp_path, monkeypatch):
+    from trl import GRPOConfig
+
+    from colocated_grpo.training import config
+
+    (tmp_path / "tables.json").write_text("[]")
+    monkeypatch.setattr(config, "FIELD_TABLES", tmp_path / "tables.json")
+    config.grpo_fields.cache_clear()
+    try:
+        fields = config.grpo_fields()
+        assert fields["lr_scheduler_type"] == (
+            typing.get_type_hints(GRPOConfig)["lr_scheduler_type"],
+            GRPOConfig.__dataclass_fields__["lr_scheduler_type"].default,
+        )
+        problems = config_problems("trainer.lr_scheduler_type=cosin", "trainer.top_pp=0.9")
+    finally:
+        config.grpo_fields.cache_clear()
+    assert "trainer.lr_scheduler_type='cosin' must be one of ['linear', 'cosine'" in problems
+    assert "did you mean trainer.top_p?" in problems
 
 
 def test_validating_a_config_with_the_table_imports_no_torch_transformers_or_trl():
