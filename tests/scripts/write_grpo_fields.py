@@ -5,14 +5,13 @@ after a pin of either changes (tests/test_training_config.py checks the table of
     python tests/scripts/write_grpo_fields.py
 """
 
-import dataclasses
 import importlib.metadata
 import json
 import types
 import typing
 from typing import Any, Literal, Union
 
-from colocated_grpo.training.config import FIELD_TABLES
+from colocated_grpo.training.config import FIELD_TABLES, grpo_fields
 from colocated_grpo.training.field_types import _by_value, _is_enum
 
 
@@ -34,15 +33,7 @@ def spell(annotation: Any) -> str:
 
 def field_table() -> dict:
     """GRPOConfig's init fields as grpo_fields.json holds them: name -> [type spelled, default as JSON]."""
-    from trl import GRPOConfig
-
-    hints = typing.get_type_hints(GRPOConfig)
-    defaults = {
-        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(GRPOConfig)
-        if f.init
-    }
-    fields = {name: [spell(hints[name]), default] for name, default in defaults.items()}
+    fields = {name: [spell(annotation), default] for name, (annotation, default) in grpo_fields(False).items()}
     versions = {name: importlib.metadata.version(name) for name in ("trl", "transformers")}
     return json.loads(json.dumps({"versions": versions, "fields": fields}, default=str))  # an enum as its value
 

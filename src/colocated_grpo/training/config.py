@@ -85,11 +85,11 @@ TYPE_NAMES = {"Literal": typing.Literal, "Any": typing.Any}  # with the builtins
 
 
 @functools.cache
-def grpo_fields() -> dict:
+def grpo_fields(from_table: bool = True) -> dict:
     """trl.GRPOConfig's init fields: name -> (annotation, default), from the table of the TRL and transformers
-    installed, else from GRPOConfig itself."""
+    installed, else (or with from_table=False) from GRPOConfig itself."""
     versions = {name: importlib.metadata.version(name) for name in ("trl", "transformers")}
-    for table in json.loads(FIELD_TABLES.read_text()):
+    for table in json.loads(FIELD_TABLES.read_text()) if from_table else []:
         if table["versions"] == versions:
             return {name: (eval(text, dict(TYPE_NAMES)), default) for name, (text, default) in table["fields"].items()}
     from trl import GRPOConfig
