@@ -1,6 +1,5 @@
 """Entry point: compose the Hydra config and run colocated GRPO. All logic lives in `colocated_grpo`."""
 
-import gc
 import sys
 
 import hydra
@@ -14,15 +13,8 @@ config_groups.register_run_start()  # ${run_start:…} in conf/train.yaml: one r
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    # Importing torch, transformers and vLLM makes ~700,000 objects that live as long as the process; the collector
-    # scans them again each time a full pass comes due while they arrive (~2 s of CPU). Paused while they load, then
-    # frozen out of its passes (gc.freeze; vLLM freezes its engine's likewise). The cycles made meanwhile stay
-    # (~12,000 small objects when measured).
-    gc.disable()
-    from colocated_grpo.launch.lifecycle import main as run
+    from colocated_grpo.launch.lifecycle import main as run  # torch and the rest load once the config's checks pass
 
-    gc.freeze()
-    gc.enable()
     run(cfg)
 
 

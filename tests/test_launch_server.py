@@ -227,7 +227,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from colocated_grpo.launch import processes, server_placement as server
 from colocated_grpo.resilience import process_end, signals
-from colocated_grpo.resilience.preemption import TrainingInterrupted
+from colocated_grpo.resilience.signals import TrainingInterrupted
 run_dir, trainer, served = map(Path, sys.argv[1:4])
 NPROC = int(sys.argv[4])
 server.server_command = lambda cfg, model, plan: [

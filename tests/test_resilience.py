@@ -32,6 +32,7 @@ from colocated_grpo.resilience import (
     out_of_memory,
     preemption,
     redaction,
+    signals,
     wandb_rewind,
 )
 from colocated_grpo.run_files import read_jsonl
@@ -595,7 +596,7 @@ def test_ctrl_c_stops_at_the_end_of_the_step_and_a_late_repeat_stops_at_once(mon
         with pytest.raises(KeyboardInterrupt):  # pressed again later: stop now
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert preemption.TrainingInterrupted(signal.SIGINT, "stopped").code == 130
+    assert signals.TrainingInterrupted(signal.SIGINT, "stopped").code == 130
 
 
 def test_non_finite_loss_stops_training(tmp_path):

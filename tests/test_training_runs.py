@@ -149,11 +149,14 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
 
 def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):
     """accelerate turns FSDP on only for GPU-like devices: on CPU parallelism=fsdp would train plain DDP under an
-    FSDP name, so it is refused (FSDP2 itself runs in tests/test_training_gpu.py)."""
-    run = train("parallelism=fsdp", check=False)
+    FSDP name, so it is refused (FSDP2 itself runs in tests/test_training_gpu.py), before torch and the rest load."""
+    run = train("parallelism=fsdp", check=False, env={"PYTHONPROFILEIMPORTTIME": "1"})  # each import on stderr
     assert run.proc.returncode != 0
     assert "parallelism=fsdp needs GPUs" in run.output
     assert not (run.dir / "metrics.jsonl").exists()
+    imported = set(re.findall(r"^import time:.*\|\s+([\w.]+)$", run.output, re.MULTILINE))
+    assert {"hydra", "omegaconf", "wandb"} <= imported
+    assert not imported & {"torch", "transformers", "trl", "vllm", "accelerate", "peft"}
 
 
 @pytest.fixture(scope="module")

@@ -117,9 +117,10 @@ def _tiny_model(cfg):
 def test_zero3_in_a_plain_python_process_gets_torchruns_rendezvous(monkeypatch):
     """`python train.py parallelism=zero3` is one process that no launcher set up: it gets the variables `torchrun
     --nproc_per_node=1` would set (DeepSpeed would look for MPI otherwise); a launcher's own are left alone."""
+    from colocated_grpo.resilience import checkpoints
     from colocated_grpo.training import build
 
-    for key in (*build.RENDEZVOUS, build.AGENT_STORE):
+    for key in (*build.RENDEZVOUS, checkpoints.AGENT_STORE):
         monkeypatch.setenv(key, "")  # so that the test's undo removes what the call sets
         monkeypatch.delenv(key)
     monkeypatch.setenv("MASTER_PORT", "12345")  # the user's own: kept, and no store of ours

@@ -35,6 +35,11 @@ JOB_LOG = "job.log"  # the job's stdout and stderr
 SWEEP_SUMMARY = "summary.csv"  # one row per job
 
 
+def is_main_process() -> bool:
+    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): it writes run files and W&B."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else str(value)

@@ -47,7 +47,7 @@ config_groups.register_run_start()  # ${run_start:…} in conf/train.yaml, as tr
 def main(cfg: DictConfig) -> None:
     signals.stop_with_torchrun_agent()
     run_dir = Path(output_dir()).resolve()
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = run_files.is_main_process()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     metadata = {
         "kind": KIND,

@@ -24,8 +24,8 @@ from colocated_grpo import run_files
 from colocated_grpo.compat.hydra import task_overrides
 from colocated_grpo.launch import processes
 from colocated_grpo.resilience import attempts, checkpoints
-from colocated_grpo.resilience.preemption import TrainingInterrupted
-from colocated_grpo.telemetry.callback import SERVER_GPUS_ENV
+from colocated_grpo.resilience.signals import TrainingInterrupted
+from colocated_grpo.telemetry.nvml import SERVER_GPUS_ENV
 from colocated_grpo.training import config, models
 from colocated_grpo.training.config import ConfigError
 

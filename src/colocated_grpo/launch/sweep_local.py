@@ -23,6 +23,7 @@ from colocated_grpo.launch.progress import Progress, run_step
 from colocated_grpo.launch.sweep_plan import Job, Options, plan, quote
 from colocated_grpo.resilience.signals import sigterm_as_interrupt
 from colocated_grpo.run_files import now
+from colocated_grpo.telemetry import nvml
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def launch_local(hydra_context, config: DictConfig, task_function, job_overrides
     """Run the jobs one after another, each as its own torchrun on this machine; returns Hydra JobReturns."""
     script = opts.script or sweep_plan.default_script(task_function)
     gc.disable()  # the plan's checks import TRL: paused while it loads, then frozen, as in train.py's main
-    jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=sweep_plan.gpus_on_this_machine())
+    jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=nvml.cuda_devices())
     gc.freeze()
     gc.enable()
     sweep_dir = announce(config, jobs, opts.dry_run)

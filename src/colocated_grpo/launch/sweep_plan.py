@@ -15,7 +15,6 @@ from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
 from colocated_grpo.compat.hydra import override_dirname
 from colocated_grpo.run_files import write_json
-from colocated_grpo.telemetry import nvml
 from colocated_grpo.training.config import ConfigError, gpu_only_problems, validate
 
 
@@ -139,15 +138,6 @@ def wandb_group(config: DictConfig) -> str:
 def quote(value: str) -> str:
     """A Hydra override value that stays one string whatever it holds (`,` would make a sweep, `=` a key)."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def gpus_on_this_machine() -> int:
-    """CUDA devices on this machine: 0 where NVML sees no NVIDIA GPU (without torch's import, ~1 s of CPU)."""
-    if nvml.unavailable():
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def default_script(task_function) -> str:

@@ -14,7 +14,7 @@ from colocated_grpo import run_files
 from colocated_grpo.compat.hydra import task_overrides
 from colocated_grpo.compat.wandb import UnknownFormat
 from colocated_grpo.resilience import checkpoints, disk_full, redaction, wandb_rewind
-from colocated_grpo.resilience.preemption import StopOnSignal, TrainingInterrupted
+from colocated_grpo.resilience.signals import TrainingInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,10 @@ def resume_command(run_dir: Path) -> str:
     return checkpoints.launch_command(run_dir, task_overrides(), world, world // nodes)
 
 
-def interruption(stopper: StopOnSignal, state, run_dir: Path, command: str) -> TrainingInterrupted | None:
-    """The exit to take after training returned, when a signal cut it short (None when every step ran). A signal
-    before the first step (while the model and the engine load) always interrupts: nothing was trained."""
+def interruption(stopper, state, run_dir: Path, command: str) -> TrainingInterrupted | None:
+    """The exit to take after training returned, when a signal that `stopper` (preemption.StopOnSignal) caught cut it
+    short (None when every step ran). A signal before the first step (while the model and the engine load) always
+    interrupts: nothing was trained."""
     if stopper.signum is None or (stopper.stopped_at is not None and state.global_step >= state.max_steps):
         return None
     name = signal.Signals(stopper.signum).name

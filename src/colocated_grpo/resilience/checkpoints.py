@@ -223,7 +223,8 @@ def plan(cfg: DictConfig, run_dir: Path, main: bool = True) -> Resume:
     return resume
 
 
-_held_stores = []  # the store rank 0 hosts for a launcher without an agent store, alive as long as the process
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # "True": the process group joins the store at MASTER_PORT
+_held_stores = []  # the stores this process hosts: a plain `python train.py`'s, or rank 0's without an agent store
 
 
 def _launch_store(main: bool):
@@ -232,16 +233,21 @@ def _launch_store(main: bool):
     MASTER_PORT and that the process group then joins as torchrun's workers join their agent's."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_PORT" not in os.environ:
         return None
+    host = main and os.environ.get(AGENT_STORE) != "True"
+    store = store_at(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), host)
+    os.environ[AGENT_STORE] = "True"
+    return store
+
+
+def store_at(address: str, port: int, host: bool):
+    """torch's TCPStore at address:port (port 0: a free one): hosted here, alive as long as the process; or joined."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    host = main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = TCPStore(address, port, is_master=host, timeout=timedelta(minutes=10), wait_for_workers=False)
     if host:
         _held_stores.append(store)
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return store
 
 

@@ -31,17 +31,6 @@ REPEAT_WINDOW_S = 5.0
 CHECKED = ("loss", "reward", "grad_norm")  # the logged values StopOnNonFinite checks
 
 
-class TrainingInterrupted(SystemExit):
-    """Training stopped on a signal; the exit status is 128 + signal number and str() says how to resume."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(128 + signum)
-        self.signum, self.message = signum, message
-
-    def __str__(self) -> str:
-        return self.message
-
-
 class StopOnSignal(TrainerCallback):
     def __init__(self):
         self.signum: int | None = None  # the signal this process received, or that another rank reported

@@ -66,8 +66,7 @@ def _first_to_report() -> bool:
     # failure summary; a claim lets the first rank that fails print its one line as it fails.
     if not torchrun_worker():
         return True
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    if not rank0:
+    if not (rank0 := run_files.is_main_process()):
         time.sleep(OTHER_RANKS_WAIT_S)
     import psutil
 

@@ -37,7 +37,7 @@ class RunDirGuard(Callback):
 
         HydraConfig.instance().set_config(config)  # what run_job does first: ${hydra:…} in the path resolves
         run_dir = Path(os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir"))))
-        main = int(os.environ.get("RANK", "0")) == 0
+        main = run_files.is_main_process()
         try:
             check_writable(run_dir, main)
         except RunDirRefused as refused:

@@ -36,6 +36,14 @@ class StoppedAtOnce(KeyboardInterrupt):
         self.code = 128 + signum
 
 
+class TrainingInterrupted(SystemExit):
+    """Training stopped on a signal, with a checkpoint; `code` is the exit status, str() says how to resume."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
 def run_main(main: Callable[[], None]) -> None:
     """Call `main` with SIGTERM unwinding as StoppedAtOnce until training installs its own handler; a stop before
     the run can report it (Hydra still composing or writing its record) ends here, in one line."""

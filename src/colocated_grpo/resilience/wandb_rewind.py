@@ -15,8 +15,6 @@ import logging
 import os
 from pathlib import Path
 
-from transformers import TrainerCallback
-
 from colocated_grpo import run_files
 from colocated_grpo.compat.wandb import history, history_row, is_history, records, trainer_metric_names
 from colocated_grpo.run_files import STEP_KEY, read_jsonl, write_json
@@ -101,16 +99,19 @@ def backfill(run, run_dir: Path, step: int) -> list[int]:
     return logged
 
 
-class RecordWandbStep(TrainerCallback):
-    """On rank 0, note in each checkpoint the W&B segment and step at which it was saved (see `rewind`)."""
+def record_wandb_step_callback():
+    """A trainer callback: on rank 0, note in each checkpoint the W&B segment and step at which it was saved (see
+    `rewind`). (Built here so that this module imports without transformers: a refused run never loads it.)"""
+    import wandb
+    from transformers import TrainerCallback
 
-    def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        import wandb
+    class RecordWandbStep(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            run = wandb.run
+            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if not state.is_world_process_zero or run is None or getattr(run, "disabled", False):
+                return
+            if checkpoint.is_dir():
+                write_json(checkpoint / MARKER, {"id": run.id, "segment": Path(run.dir).parent.name, "step": run.step})
 
-        run = wandb.run
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if run is None or getattr(run, "disabled", False) or not checkpoint.is_dir():
-            return
-        write_json(checkpoint / MARKER, {"id": run.id, "segment": Path(run.dir).parent.name, "step": run.step})
+    return RecordWandbStep()

@@ -21,9 +21,6 @@ from colocated_grpo.telemetry.phases import PhaseTracker, TokenCounter
 
 log = logging.getLogger(__name__)
 
-# Comma-separated NVML UUIDs of a vLLM server's GPUs (server placement), set by its launcher: rank 0 samples them.
-SERVER_GPUS_ENV = "COLOCATED_GRPO_SERVER_GPUS"
-
 # Dense bf16 peak of one GPU, for perf/mfu; other GPUs: set telemetry.peak_tflops.
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
@@ -102,7 +99,7 @@ class TelemetryCallback(TrainerCallback):
             device = torch.cuda.current_device()
             gpus = {str(self.trainer.accelerator.process_index): nvml.cuda_device_uuid(device)}
             if state.is_world_process_zero:  # a vLLM server's GPUs (server placement) are sampled by rank 0
-                server_gpus = [g for g in os.environ.get(SERVER_GPUS_ENV, "").split(",") if g]
+                server_gpus = [g for g in os.environ.get(nvml.SERVER_GPUS_ENV, "").split(",") if g]
                 gpus.update({f"server{j}": uuid for j, uuid in enumerate(server_gpus)})
             self.sampler = nvml.GpuSampler(gpus, self.interval_s).start()
             if self.peak_tflops is None:

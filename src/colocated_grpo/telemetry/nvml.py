@@ -10,6 +10,8 @@ from collections import deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+# Comma-separated NVML UUIDs of a vLLM server's GPUs (server placement), set by its launcher: rank 0 samples them.
+SERVER_GPUS_ENV = "COLOCATED_GRPO_SERVER_GPUS"
 GIVE_UP_AFTER = 10  # failed reads in a row that stop the sampler; fewer (a transient NVML error) skip their samples
 
 
@@ -37,6 +39,15 @@ def unavailable() -> str | None:
     except Exception as exc:  # a broken install: say what it raised rather than guess
         return f"NVML failed: {type(exc).__name__}: {exc}"
     return None if count > 0 else "NVML sees no GPU (0 devices)"
+
+
+def cuda_devices() -> int:
+    """CUDA devices on this machine: 0 where NVML sees no NVIDIA GPU (without torch's import, ~2 s of CPU)."""
+    if unavailable():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _explain(pynvml, exc) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from datetime import timedelta
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -30,7 +29,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
 
     model_path = models.resolve(cfg.model)
     reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
-    if is_main_process():
+    if run_files.is_main_process():
         reward_funcs[0] = _recording_rollouts(reward_funcs[0], run_dir)
     args, placement = prepared.args, cfg.placement
     try:
@@ -64,10 +63,10 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
     if telemetry is not None:
         trainer.add_callback(telemetry)
     install_step_line(trainer, metrics_file)  # one line per step instead of transformers' dict of every metric
-    trainer.add_callback(wandb_rewind.RecordWandbStep())
+    trainer.add_callback(wandb_rewind.record_wandb_step_callback())
     trainer.add_callback(checkpoints.mark_complete_callback())  # after every other on_save of a checkpoint
     if t.profile_step:
-        trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), is_main_process()))
+        trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), run_files.is_main_process()))
     trainer.add_callback(stopper)
     if cfg.run.stop_on_nonfinite:
         trainer.add_callback(preemption.StopOnNonFinite())
@@ -92,9 +91,6 @@ def _recording_rollouts(reward_fn, run_dir: Path):
 
 
 RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
-
-_held_stores = []  # the rendezvous store this process hosts, alive as long as the process
 
 
 def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
@@ -106,7 +102,8 @@ def single_process_rendezvous(cfg: DictConfig) -> dict[str, str]:
         return {}
     values = {}
     if "MASTER_PORT" not in os.environ:
-        values.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_host_store("127.0.0.1")), **{AGENT_STORE: "True"})
+        port = checkpoints.store_at("127.0.0.1", 0, host=True).port
+        values.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{checkpoints.AGENT_STORE: "True"})
     if str(cfg.parallelism.name).startswith("zero3"):
         values.update({k: v for k, v in zip(RENDEZVOUS[:4], ("0", "0", "1", "1"), strict=True) if k not in os.environ})
     os.environ.update(values)
@@ -122,19 +119,6 @@ def skip_deepspeed_cpu_shm_build(cfg: DictConfig) -> None:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps the probed dict: edits hold
-
-
-def _host_store(host: str) -> int:
-    from torch.distributed import TCPStore
-
-    store = TCPStore(host, 0, world_size=1, is_master=True, timeout=timedelta(minutes=30), wait_for_workers=False)
-    _held_stores.append(store)
-    return store.port
-
-
-def is_main_process() -> bool:
-    """Rank 0 of the job (torchrun's RANK; a plain `python train.py` is rank 0): it writes run files and W&B."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def prepare_environment(cfg: DictConfig) -> None:
