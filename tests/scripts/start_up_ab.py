@@ -1,12 +1,13 @@
-"""Wall and CPU time of `python train.py` in two checkouts, interleaved (A B A B …, so that the machine's drift falls
-on both): the tiny default run, and a run its config refuses (parallelism=fsdp on a machine without a GPU). Each
-checkout runs with its own .venv (the interpreter running this script where it has none). Prints each run, then the
-medians per case and checkout:
+"""Wall and CPU time of `python train.py` in two checkouts, interleaved (A B, then B A, so that the machine's drift
+falls on both): the tiny default run, and a run its config refuses. Each checkout runs its own `src` with its own
+.venv (the interpreter running this script where it has none). Prints each run, then the medians per case and
+checkout:
 
     python tests/scripts/start_up_ab.py /path/to/checkout_a /path/to/checkout_b --pairs 5
 """
 
 import argparse
+import os
 import resource
 import statistics
 import subprocess
@@ -15,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CASES = {"tiny": ["logger=none"], "refused": ["logger=none", "parallelism=fsdp"]}
+CASES = {"tiny": ["logger=none"], "refused": ["logger=none", "trainer.max_steps=abc"]}  # refused by its config
 
 
 def timed_run(checkout: Path, overrides: list[str], run_dir: Path) -> tuple[float, float, int]:
@@ -27,6 +28,7 @@ def timed_run(checkout: Path, overrides: list[str], run_dir: Path) -> tuple[floa
     proc = subprocess.run(
         [python, "train.py", f"hydra.run.dir={run_dir}", *overrides],
         cwd=checkout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout / "src"), os.environ.get("PYTHONPATH", "")])},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
