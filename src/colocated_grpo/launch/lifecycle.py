@@ -177,9 +177,9 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
 @contextmanager
 def _collector_paused():
     """For the imports of torch, transformers, TRL and vLLM: they make ~700,000 objects that live as long as the
-    process, which the collector would scan again each time a full pass comes due while they arrive (~2 s of CPU per
-    run: docs/development.md). Paused meanwhile, then frozen out of its passes (gc.freeze; vLLM freezes its engine's likewise).
-    The cycles made meanwhile stay (~12,000 small objects)."""
+    process, which the collector would scan again each time a full pass comes due while they arrive (~2 s of CPU a
+    run: docs/development.md). Paused meanwhile, then frozen out of its passes (gc.freeze; vLLM freezes its engine's
+    likewise). The cycles made meanwhile stay (~12,000 small objects)."""
     gc.disable()
     try:
         yield
