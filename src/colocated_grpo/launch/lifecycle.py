@@ -6,7 +6,6 @@ What SIGTERM, a second SIGTERM and Ctrl-C do in each phase and role: docs/resili
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
@@ -23,7 +22,7 @@ from omegaconf import DictConfig
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat import hydra as hydra_internals
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.launch import server_placement
+from colocated_grpo.launch import collector, server_placement
 from colocated_grpo.resilience import (
     attempts,
     checkpoints,
@@ -104,14 +103,14 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
             raise config.ConfigError(problems)
         wandb_logging.refuse_online_without_credentials(cfg)
         resume = checkpoints.plan(cfg, run_dir, rank0)  # refused before the data is built (its run.json is kept)
-        with _collector_paused():  # torch, transformers and accelerate
+        with collector.paused_for_imports():  # torch, transformers and accelerate
             from colocated_grpo.resilience import preemption
             from colocated_grpo.training import build
         build.single_process_rendezvous(cfg)  # a plain `python train.py`: its own rendezvous port, as torchrun gives
         build.skip_deepspeed_cpu_shm_build(cfg)  # before GRPOConfig starts DeepSpeed's comm backend
         report_to = ["wandb"] if cfg.logger.backend == "wandb" and rank0 else []  # TRL logs to W&B from rank 0
         prepared = preflight.prepare(cfg, run_dir, report_to)  # the dataset, prompt lengths, TRL's own rules
-    with _collector_paused():  # TRL's trainer and vLLM, for build_trainer
+    with collector.paused_for_imports():  # TRL's trainer and vLLM, for build_trainer
         from colocated_grpo.compat import grpo_trainer  # noqa: F401
     if rank0 and (line := prompt_lengths.said(prepared.prompts)):
         log.warning("%s", line)
@@ -172,20 +171,6 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
     if rank0:
         log.info("%s", end_of_run_summary(run_dir, wandb_run))
     return run_dir
-
-
-@contextmanager
-def _collector_paused():
-    """For the imports of torch, transformers, TRL and vLLM: they make ~700,000 objects that live as long as the
-    process, which the collector would scan again each time a full pass comes due while they arrive (~2 s of CPU a
-    run: docs/development.md). Paused meanwhile, then frozen out of its passes (gc.freeze; vLLM freezes its engine's
-    likewise). The cycles made meanwhile stay (~12,000 small objects)."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
-from colocated_grpo.launch import processes, sweep_plan
+from colocated_grpo.launch import collector, processes, sweep_plan
 from colocated_grpo.launch.progress import Progress, run_step
 from colocated_grpo.launch.sweep_plan import Job, Options, plan, quote
 from colocated_grpo.resilience.signals import sigterm_as_interrupt
@@ -117,10 +117,8 @@ def error_line(log_path: Path) -> str | None:
 def launch_local(hydra_context, config: DictConfig, task_function, job_overrides, initial_job_idx: int, opts: Options):
     """Run the jobs one after another, each as its own torchrun on this machine; returns Hydra JobReturns."""
     script = opts.script or sweep_plan.default_script(task_function)
-    gc.disable()  # the plan's checks import TRL: paused while it loads, then frozen, as in train.py's main
-    jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=nvml.cuda_devices())
-    gc.freeze()
-    gc.enable()
+    with collector.paused_for_imports():  # the checks may import torch, peft, TRL: GPUs, LoRA, no field table
+        jobs = plan(hydra_context, config, job_overrides, initial_job_idx, gpus_here=nvml.cuda_devices())
     sweep_dir = announce(config, jobs, opts.dry_run)
     interrupted = False
     runnable = [] if opts.dry_run else [job for job in jobs if job.status == "pending"]
