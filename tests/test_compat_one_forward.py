@@ -86,6 +86,8 @@ def _args(**args):
         gradient_accumulation_steps=4,
         steps_per_generation=2,
         use_liger_kernel=False,
+        seed=0,
+        generation_kwargs={},
     )
     return SimpleNamespace(**{**defaults, **args})
 
@@ -102,7 +104,7 @@ def build(monkeypatch):
 
     monkeypatch.setattr(GRPOTrainer, "__init__", init)
 
-    def build(cls=grpo.ColocatedGRPOTrainer, generation=None, flat_logprobs=False, **args):
+    def build(cls=grpo.ColocatedGRPOTrainer, generation=None, flat_logprobs=None, **args):
         sync = 2**30 if generation is not None else None
         kwargs = dict(seed=0, flat_logprobs=flat_logprobs, sync_chunk_bytes=sync, one_forward=True)
         return cls(args=_args(**args), generation=generation, **kwargs)
@@ -185,23 +187,89 @@ def _warning(caplog, *parts):
         assert part in record.getMessage(), (part, record.getMessage())
 
 
-def test_the_flat_reader_is_what_trl_calls_once_and_a_changed_parser_keeps_trls_own(build, changed_reference, caplog):
+def test_the_flat_reader_stands_in_for_trls_parser_only_inside_our_generate(build, monkeypatch):
+    """TRL's generate calls its module's extract_logprobs by name: during our wrapper's generate that name is our
+    reader (TRL's own parser its fallback); before and after, and for any other code, it is TRL's own."""
     import trl.generation.vllm_generation as vllm_generation
 
-    from colocated_grpo.compat import trl as trl_internals
+    original = vllm_generation.extract_logprobs
+    trainer = build(generation=_generation(), generation_kwargs={"flat_logprobs": True})
+    assert trainer.vllm_generation.flat_logprobs and vllm_generation.extract_logprobs is original
+    seen = []
+
+    def trls_generate(self, *args, **kwargs):  # what TRL's generate reads, by name, after the engine's call
+        seen.append(vllm_generation.extract_logprobs)
+        return vllm_generation.extract_logprobs([])
+
+    monkeypatch.setattr(vllm_generation.VLLMGeneration, "generate", trls_generate)
+    reads = []
+    monkeypatch.setattr(grpo.trl_internals, "read_flat_logprobs", lambda outputs, fallback: reads.append(fallback))
+    trainer.vllm_generation.generate()
+    assert seen[0] is not original and reads == [original]
+    assert vllm_generation.extract_logprobs is original
+    without = build(generation=_generation())  # no flat log-probs asked for: TRL's parser inside generate too
+    assert not without.vllm_generation.flat_logprobs
+    without.vllm_generation.generate()
+    assert seen[1] is original and len(reads) == 1
+
+
+@pytest.mark.parametrize("target", list(grpo.WRITTEN_FOR["flat log-prob reader"]))
+def test_a_changed_parser_or_generate_keeps_trls_own_parser(build, monkeypatch, caplog, target):
+    import trl.generation.vllm_generation as vllm_generation
 
     original = vllm_generation.extract_logprobs
-    try:
-        build(flat_logprobs=True)
-        build(flat_logprobs=True)  # twice: still one replacement, TRL's own reachable
-        assert vllm_generation.extract_logprobs is trl_internals.read_flat_logprobs
-        assert trl_internals._trl_parser() is original
-    finally:
-        vllm_generation.extract_logprobs = original
-    name = changed_reference("flat log-prob reader")
-    build(flat_logprobs=True)
+    monkeypatch.setitem(grpo.WRITTEN_FOR, "flat log-prob reader", {target: "000000000000"})
+    trainer = build(generation=_generation(), flat_logprobs=True)
+    name = target.partition(":")[2]
     _warning(caplog, "flat log-prob reader: TRL's own code runs: written for trl 1.16.0", name, "slower generation")
+    assert not trainer.vllm_generation.flat_logprobs
     assert vllm_generation.extract_logprobs is original
+
+
+def test_a_changed_generate_of_trls_trainer_counts_no_tokens(build, changed_reference, caplog, monkeypatch):
+    """Our token counts read TRL's _generate's return order: a changed _generate is not read (tokens/s reads 0)."""
+    from trl import GRPOTrainer
+
+    from colocated_grpo.telemetry.phases import TokenCounter
+
+    counted = build()
+    name = changed_reference("token counts")
+    trainer = build()
+    _warning(caplog, "token counts: TRL's own code runs", name, "perf/tokens_per_s")
+    monkeypatch.setattr(GRPOTrainer, "_generate", lambda self: ([[1, 2]], [[3, 4, 5]]))
+    for built in (counted, trainer):
+        built.token_counter = TokenCounter()
+        built._generate()
+    assert counted.token_counter.reset() == (2, 3) and trainer.token_counter.reset() == (0, 0)
+
+
+def test_our_trainer_is_a_drop_in_grpo_trainer(build, monkeypatch):
+    """Built with TRL's arguments alone: the engine seed from args.seed, the flat reader where the request asks for
+    flat log-probs, the batched sync and the one-forward ratio on."""
+    seeds = []
+    monkeypatch.setattr(grpo.ColocatedGRPOTrainer, "_reseed_generation", lambda self, seed: seeds.append(seed))
+    args = _args(seed=7, generation_kwargs={"flat_logprobs": True})
+    trainer = grpo.ColocatedGRPOTrainer(args=args, generation=_generation())
+    assert seeds == [7] and trainer.one_forward
+    assert trainer.vllm_generation.flat_logprobs and trainer.vllm_generation.batched_sync
+
+
+def test_the_importance_sampling_flag_is_restored_to_its_value(build, monkeypatch):
+    from trl import GRPOTrainer
+
+    trainer, seen = build(), []
+    assert trainer.one_forward
+    monkeypatch.setattr(
+        GRPOTrainer,
+        "_generate_and_score_completions",
+        lambda self: seen.append(self.vllm_importance_sampling_correction),
+    )
+    trainer.model = SimpleNamespace(training=True)
+    for value in (True, False):
+        trainer.vllm_importance_sampling_correction = value
+        trainer._generate_and_score_completions()
+        assert trainer.vllm_importance_sampling_correction == value
+    assert seen == [False, False]
 
 
 def _generation():
@@ -292,3 +360,17 @@ def test_a_changed_trainer_warns_and_runs_trls_extra_forward(build, changed_refe
     seen, batch = _run_a_micro_batch(trainer, monkeypatch)
     assert seen[0] is True and seen[1] is batch, "TRL's own path: the correction on, TRL's micro-batch as is"
     assert "importance_sampling_ratio" not in batch
+
+
+def test_a_trl_that_moved_its_engine_wrapper_runs_its_own_code_with_a_warning(monkeypatch):
+    """trl.generation missing: our module still imports, and each change that relies on it says TRL's own code runs."""
+    import importlib
+
+    for moved_away in ("trl.generation", "trl.generation.vllm_generation"):
+        monkeypatch.setitem(sys.modules, moved_away, None)  # importing it raises ImportError
+    monkeypatch.delitem(sys.modules, grpo.__name__)
+    moved = importlib.import_module(grpo.__name__)
+    assert moved is not grpo and moved.vllm_generation is None
+    for change in ("flat log-prob reader", "batched weight sync"):
+        assert moved.upstream_mismatch(change).startswith(f"{change}: TRL's own code runs"), change
+    assert moved.upstream_mismatch("token counts") is None  # GRPOTrainer's own _generate is where it was

@@ -19,10 +19,13 @@ import torch
 import trl
 from torch.profiler import record_function
 from trl import GRPOTrainer
-from trl.generation import vllm_generation
-from trl.generation.vllm_generation import VLLMGeneration
 
 from colocated_grpo.compat import trl as trl_internals
+
+try:  # where TRL 1.16 keeps its engine wrapper; a TRL that moves it runs its own generation (the guard says so)
+    from trl.generation import vllm_generation
+except ImportError:
+    vllm_generation = None
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,13 @@ log = logging.getLogger(__name__)
 
 WRITTEN_FOR_VERSION = "1.16.0"
 WRITTEN_FOR = {
-    "flat log-prob reader": {"trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d"},
+    # TRL's generate returns (prompt ids, completion ids, …) per completion: the generated tokens counted from it
+    "token counts": {"trl.trainer.grpo_trainer:GRPOTrainer._generate": "2a27fdf8f5e6"},
+    "flat log-prob reader": {
+        "trl.generation.vllm_generation:extract_logprobs": "ea9254b4a72d",
+        # which calls extract_logprobs by its module's name: the seam our reader stands in at
+        "trl.generation.vllm_generation:VLLMGeneration.generate": "2d2ac2be5b13",
+    },
     "batched weight sync": {
         "trl.generation.vllm_generation:VLLMGeneration.sync_weights": "63d669fb3230",
         "trl.generation.vllm_generation:VLLMGeneration._iter_named_params": "baab615d5c7b",
@@ -45,6 +54,7 @@ WRITTEN_FOR = {
 }
 # What TRL's own code costs where a change falls back to it (one H200, docs/results.md).
 SPEED_LOST = {
+    "token counts": "no generated tokens counted: perf/tokens_per_s and perf/gen_tokens_per_s read 0",
     "flat log-prob reader": "slower generation: TRL's parser builds a dict per generated token",
     "batched weight sync": "a slower weight sync: one load_weights call per tensor (0.27 s instead of 0.02 s for 1.5B)",
     "importance-sampling ratio from the training forward": (
@@ -95,7 +105,11 @@ def _in_phase(tracker, name: str):
     return nullcontext() if tracker is None else tracker.phase(name)
 
 
-class TimedVLLMGeneration(VLLMGeneration):
+# TRL's engine wrapper; without it (a TRL that moved it) the wrapper TRL builds keeps its own class
+_VLLMGeneration = vllm_generation.VLLMGeneration if vllm_generation is not None else object
+
+
+class TimedVLLMGeneration(_VLLMGeneration):
     """TRL's engine wrapper, its weight sync timed as the sync_weights phase."""
 
     phase_tracker = None  # a telemetry.phases.PhaseTracker (TimedGRPOTrainer.time_phases)
@@ -111,6 +125,7 @@ class TimedGRPOTrainer(GRPOTrainer):
 
     vllm_generation_class = TimedVLLMGeneration
     phase_tracker = token_counter = None  # set by time_phases
+    counts_tokens = True  # TRL's _generate returns what the counts read (the upstream guard)
     profile_label = None  # telemetry.profile's prefix: train, other and generate then run in torch.profiler ranges
 
     def __init__(self, *args, **kwargs):
@@ -118,10 +133,15 @@ class TimedGRPOTrainer(GRPOTrainer):
         timed = ("_prepare_inputs", "_generate", "_calculate_rewards")
         if missing := [name for name in timed if not hasattr(GRPOTrainer, name)]:
             log.warning("phase timings: this TRL's GRPOTrainer has no %s; those phases read 0", ", ".join(missing))
-        if getattr(self, "vllm_generation", None) is not None:
+        if why_not := upstream_mismatch("token counts", type(self)):
+            log.warning("%s", why_not)
+            self.counts_tokens = False
+        if isinstance(getattr(self, "vllm_generation", None), _VLLMGeneration) and vllm_generation is not None:
             # TRL 1.16 builds VLLMGeneration by name inside GRPOTrainer.__init__, with no factory to override: the
             # built object takes our subclass (methods only, no state of its own)
             self.vllm_generation.__class__ = self.vllm_generation_class
+        elif getattr(self, "vllm_generation", None) is not None:
+            log.warning("phase timings: this TRL has no trl.generation.vllm_generation; sync_weights reads 0")
 
     def time_phases(self, tracker, tokens) -> None:
         """Time TRL's steps as phases of `tracker` and count generated tokens into `tokens` (telemetry.phases)."""
@@ -152,7 +172,7 @@ class TimedGRPOTrainer(GRPOTrainer):
     def _generate(self, *args, **kwargs):
         with self._phase("generate", labelled=True):
             result = super()._generate(*args, **kwargs)
-        if self.token_counter is not None:
+        if self.token_counter is not None and self.counts_tokens:
             self.token_counter.prompt += sum(len(ids) for ids in result[0])
             self.token_counter.completion += sum(len(ids) for ids in result[1])
         return result
@@ -188,10 +208,27 @@ def fast_sync_plan(generation) -> str | None:
 
 
 class ColocatedVLLMGeneration(TimedVLLMGeneration):
-    """The engine wrapper whose colocated sync loads the weights in one load_weights call, or one per chunk."""
+    """The engine wrapper whose colocated sync loads the weights in one load_weights call, or one per chunk, and
+    whose outputs are read by the flat log-prob reader."""
 
     batched_sync = False  # set by ColocatedGRPOTrainer where fast_sync_plan allows it
     sync_chunk_bytes: int | None = None  # None: one call
+    flat_logprobs = False  # set by ColocatedGRPOTrainer where the request asks for flat log-probs
+
+    def generate(self, *args, **kwargs):
+        if not self.flat_logprobs:
+            return super().generate(*args, **kwargs)
+        # TRL's generate calls its module's extract_logprobs by name: our reader stands in for this call only
+        original = vllm_generation.extract_logprobs
+
+        def read(outputs):
+            return trl_internals.read_flat_logprobs(outputs, fallback=original)
+
+        vllm_generation.extract_logprobs = read
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            vllm_generation.extract_logprobs = original
 
     def sync_weights(self):  # GRPOTrainer's sync before generation, and generate's re-sync of weights asleep
         if not self.batched_sync:
@@ -314,15 +351,25 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
     one_forward = False  # the ratio from the training forward, where it applies
     _pending: dict | None = None  # the micro-batch whose training forward is running
 
-    def __init__(self, *args, seed: int, flat_logprobs: bool, sync_chunk_bytes: int | None, one_forward: bool, **kw):
-        super().__init__(*args, **kw)
-        self._reseed_generation(seed)
-        if flat_logprobs and (why_not := upstream_mismatch("flat log-prob reader")):
-            log.warning("%s", why_not)
-        elif flat_logprobs and getattr(vllm_generation.extract_logprobs, "trl_original", None) is None:
-            # TRL calls extract_logprobs by its module's name inside VLLMGeneration.generate: the module is the seam
-            trl_internals.read_flat_logprobs.trl_original = vllm_generation.extract_logprobs
-            vllm_generation.extract_logprobs = trl_internals.read_flat_logprobs
+    def __init__(
+        self,
+        *args,
+        seed: int | None = None,
+        flat_logprobs: bool | None = None,
+        sync_chunk_bytes: int | None = 2**30,
+        one_forward: bool = True,
+        **kwargs,
+    ):
+        """TRL's arguments, and ours: `seed` for the engine's sampling (None: args.seed); `flat_logprobs`, the flat
+        log-prob reader (None: where args.generation_kwargs asks vLLM for flat_logprobs); `sync_chunk_bytes`, the
+        batched weight sync's chunk of gathered FSDP2 weights (None: TRL's own sync); `one_forward`, the
+        importance-sampling ratio from the training forward where training is on-policy."""
+        super().__init__(*args, **kwargs)
+        self._reseed_generation(self.args.seed if seed is None else seed)
+        if flat_logprobs is None:
+            flat_logprobs = bool((self.args.generation_kwargs or {}).get("flat_logprobs"))
+        if flat_logprobs:
+            self._read_flat_logprobs()
         if sync_chunk_bytes is not None:
             self._batch_weight_sync(sync_chunk_bytes)
         self.one_forward = one_forward and self._one_forward_applies()
@@ -339,6 +386,14 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             return
         dp_rank = self.accelerator.process_index // self.args.vllm_tensor_parallel_size
         set_seed(int(np.random.SeedSequence([seed, dp_rank]).generate_state(1)[0]))
+
+    def _read_flat_logprobs(self) -> None:
+        generation = getattr(self, "vllm_generation", None)
+        if not isinstance(generation, ColocatedVLLMGeneration):
+            return
+        if why_not := upstream_mismatch("flat log-prob reader", type(generation)):
+            return log.warning("%s", why_not)
+        generation.flat_logprobs = True
 
     def _batch_weight_sync(self, chunk_bytes: int) -> None:
         generation = getattr(self, "vllm_generation", None)
@@ -368,11 +423,11 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             return super()._generate_and_score_completions(*args, **kwargs)
         self._stats = _GenerationStats()
         # With the correction off, TRL computes no old log-probs on-policy and no ratio; the sampled log-probs stay
-        self.vllm_importance_sampling_correction = False
+        correction, self.vllm_importance_sampling_correction = self.vllm_importance_sampling_correction, False
         try:
             return super()._generate_and_score_completions(*args, **kwargs)
         finally:
-            self.vllm_importance_sampling_correction = True
+            self.vllm_importance_sampling_correction = correction
 
     def _compute_loss(self, model, inputs):
         unscored = "importance_sampling_ratio" not in inputs and inputs.get("sampling_per_token_logps") is not None

@@ -53,23 +53,19 @@ def generation_batch_size(trainer: dict, world: int) -> int:
 
 def extract_logprobs(outputs):
     """TRL's own parser of the colocated engine's outputs into per-token log-probs and token ids."""
-    return _trl_parser()(outputs)
-
-
-def _trl_parser():
     import trl.generation.vllm_generation as vllm_generation
 
-    parse = vllm_generation.extract_logprobs
-    return getattr(parse, "trl_original", parse)
+    return vllm_generation.extract_logprobs(outputs)
 
 
-def read_flat_logprobs(outputs):
+def read_flat_logprobs(outputs, fallback=extract_logprobs):
     """extract_logprobs' result, read straight from vLLM's FlatLogprobs where each position holds one entry (TRL's
-    logprobs=0 with flat_logprobs=True), without rebuilding per-token dicts; anything else goes to TRL's parser."""
+    logprobs=0 with flat_logprobs=True), without rebuilding per-token dicts; anything else goes to `fallback` (TRL's
+    parser)."""
     try:
         from vllm.logprobs import FlatLogprobs
     except ImportError:  # a vLLM before flat log-probs
-        return _trl_parser()(outputs)
+        return fallback(outputs)
 
     all_logprobs, all_token_ids = [], []
     for request in outputs:
@@ -79,7 +75,7 @@ def read_flat_logprobs(outputs):
                 return None, None
             one_each = isinstance(lp, FlatLogprobs) and lp.start_indices == list(range(len(lp.start_indices)))
             if not one_each or len(lp.logprobs) != len(lp.start_indices):
-                return _trl_parser()(outputs)
+                return fallback(outputs)
             all_logprobs.append([[None if math.isnan(x) else x] for x in lp.logprobs])
             all_token_ids.append([[t] for t in lp.token_ids])
     return all_logprobs, all_token_ids
