@@ -927,3 +927,22 @@ def test_a_disk_that_fills_before_the_first_checkpoint_names_the_command_that_st
         checkpoints.plan(compose_train(*launched), tmp_path)
     resume = checkpoints.plan(compose_train(*overrides), tmp_path)
     assert resume.resuming and resume.checkpoint is None
+
+
+def test_only_our_errors_that_say_what_to_change_are_printed_without_a_traceback():
+    """launch.lifecycle.EXPLAINED names real error classes; a subclass of one counts; any other error, one raised by
+    our own code or defined in it included, is a bug whose traceback is printed."""
+    import importlib
+
+    from colocated_grpo.compat.wandb import UnknownFormat
+    from colocated_grpo.launch import lifecycle
+    from colocated_grpo.training import config, rewards
+
+    for name in lifecycle.EXPLAINED:
+        module, _, cls = name.rpartition(".")
+        assert issubclass(getattr(importlib.import_module(module), cls), Exception), name
+    assert lifecycle.is_explained(config.ConfigError(["trainer.max_steps=abc must be an integer"]))
+    assert lifecycle.is_explained(rewards.NonFiniteRewardError("reward accuracy gave nan"))
+    assert lifecycle.is_explained(preemption.NonFiniteError("non-finite loss=nan at step 3"))
+    assert not lifecycle.is_explained(UnknownFormat("a W&B log of another format"))
+    assert not lifecycle.is_explained(KeyError("timing_s/generate"))

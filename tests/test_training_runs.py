@@ -159,6 +159,23 @@ def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):
     assert not imported & {"torch", "transformers", "trl", "vllm", "accelerate", "peft"}
 
 
+def test_trl_failing_to_import_is_recorded_in_run_json(train, tmp_path):
+    """TRL's trainer (or vLLM under it) that cannot load, as on a machine whose CUDA libraries do not match: the run
+    ends before it started, with its error in run.json."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n\n"
+        "class Refuse(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'trl.trainer.grpo_trainer':\n"
+        "            raise ImportError('libcudart.so.13: cannot open shared object file')\n\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+    )
+    run = train(check=False, env={"PYTHONPATH": str(tmp_path)})
+    assert run.proc.returncode == 1
+    record = json.loads((run.dir / "run.json").read_text())
+    assert record["status"] == "failed" and "libcudart.so.13: cannot open shared object file" in record["error"]
+
+
 @pytest.fixture(scope="module")
 def two_seeds(train):
     """Seeds 0 and 1 over the same prompts in the same order (no shuffle, data seed 0), each completion run to

@@ -44,6 +44,28 @@ class NothingTrained(RuntimeError):
     """Training returned without a single step; the message says the likely cause and what to change."""
 
 
+# Our errors whose message says what to change: printed in one line, without a traceback. Any other error, one of ours
+# included (a bug), keeps its traceback. By name: some live in modules that load torch, which a refusal never loads.
+EXPLAINED = (
+    "colocated_grpo.training.config.ConfigError",
+    "colocated_grpo.training.data.DataError",
+    "colocated_grpo.training.rewards.RewardError",
+    "colocated_grpo.training.wandb_logging.WandbError",
+    "colocated_grpo.resilience.checkpoints.ResumeError",
+    "colocated_grpo.resilience.disk_full.DiskFull",
+    "colocated_grpo.resilience.out_of_memory.StartupMemoryError",
+    "colocated_grpo.resilience.out_of_memory.TrainingMemoryError",
+    "colocated_grpo.resilience.preemption.NonFiniteError",
+    "colocated_grpo.launch.server_placement.ServerError",
+    f"{__name__}.NothingTrained",
+)
+
+
+def is_explained(exc: BaseException) -> bool:
+    """Whether `exc` is (a subclass of) one of EXPLAINED."""
+    return any(f"{cls.__module__}.{cls.__qualname__}" in EXPLAINED for cls in type(exc).__mro__)
+
+
 def main(cfg: DictConfig) -> None:
     """What train.py runs in each process: the orchestrator of a server placement, or a trainer. It ends the process
     with the outcome's code: 0 finished, 128 + the signal when stopped (a checkpoint saved or, where there was
@@ -79,9 +101,8 @@ def main(cfg: DictConfig) -> None:
         process_end.exit_now(getattr(stop, "code", 130))
     except Exception as exc:
         signals.ending()  # torchrun's SIGTERM (another rank failed too) must not cut this report short
-        # This package's own errors say what to change: no traceback (but a reward's own, a RewardError's cause)
-        explained, shown = type(exc).__module__.startswith("colocated_grpo."), isinstance(exc, rewards.RewardError)
-        process_end.report_failure(exc, explained=explained, show_cause=shown)
+        # a reward's own traceback stays: a RewardError's cause
+        process_end.report_failure(exc, explained=is_explained(exc), show_cause=isinstance(exc, rewards.RewardError))
         process_end.exit_now(1)
 
 
@@ -110,8 +131,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         build.skip_deepspeed_cpu_shm_build(cfg)  # before GRPOConfig starts DeepSpeed's comm backend
         report_to = ["wandb"] if cfg.logger.backend == "wandb" and rank0 else []  # TRL logs to W&B from rank 0
         prepared = preflight.prepare(cfg, run_dir, report_to)  # the dataset, prompt lengths, TRL's own rules
-    with collector.paused_for_imports():  # TRL's trainer and vLLM, for build_trainer
-        from colocated_grpo.compat import grpo_trainer  # noqa: F401
+        with collector.paused_for_imports():  # TRL's trainer and vLLM, for build_trainer
+            from colocated_grpo.compat import grpo_trainer  # noqa: F401
     if rank0 and (line := prompt_lengths.said(prepared.prompts)):
         log.warning("%s", line)
     resume_command = attempts.resume_command(run_dir)  # before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE
@@ -175,8 +196,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
 
 @contextmanager
 def _refusals_recorded(run_dir: Path, main: bool):
-    """Refused by its config or its run directory, or its data cannot be built: run.json says so either way, and
-    the Hydra record of a run the directory already held is put back."""
+    """Refused by its config or its run directory, its data cannot be built, or TRL or vLLM fail to import: run.json
+    says so either way, and the Hydra record of a run the directory already held is put back."""
     try:
         yield
     except Exception as err:
