@@ -264,6 +264,23 @@ def test_each_field_type_read_from_the_table_describes_and_checks_values_as_grpo
     assert untyped == ["parallelism_config"]  # accelerate's ParallelismConfig object
 
 
+def test_every_tables_types_read_back_as_spelled_and_nothing_else_is_run():
+    """Each type text of each pin's table (the GPU pin's too) reads back into the annotation the writer spells it
+    from; text that is no type is refused, not evaluated."""
+    from scripts.write_grpo_fields import spell
+
+    from colocated_grpo.training.config import FIELD_TABLES, read_type
+
+    tables = json.loads(FIELD_TABLES.read_text())
+    assert len(tables) >= 2
+    for table in tables:
+        for name, (text, _) in table["fields"].items():
+            assert spell(read_type(text)) == text, (table["versions"], name)
+    for text in ("__import__('os').getcwd()", "int | os", "Literal[print('x')]", "list[1]"):
+        with pytest.raises(ValueError, match="not a type the field table spells"):
+            read_type(text)
+
+
 def test_without_a_table_for_the_installed_versions_the_fields_come_from_grpo_config(tmp_path, monkeypatch):
     from trl import GRPOConfig
 

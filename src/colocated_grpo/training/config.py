@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import functools
@@ -81,7 +82,8 @@ def _missing_keys(node, prefix: str = "") -> list[str]:
 # GRPOConfig's fields by TRL and transformers version (.ci's pins; tests/scripts/write_grpo_fields.py): reading them
 # from GRPOConfig imports torch, transformers and TRL, ~4 s of CPU that a sweep's parent needs for nothing else.
 FIELD_TABLES = Path(__file__).with_name("grpo_fields.json")
-TYPE_NAMES = {"Literal": typing.Literal, "Any": typing.Any}  # with the builtins, the names its types are written in
+# The names its types are written in (tests/scripts/write_grpo_fields.py spells them)
+TYPE_NAMES = {t.__name__: t for t in (bool, int, float, str, list, tuple, dict)} | {"Any": typing.Any}
 
 
 @functools.cache
@@ -91,7 +93,7 @@ def grpo_fields(from_table: bool = True) -> dict:
     versions = {name: importlib.metadata.version(name) for name in ("trl", "transformers")}
     for table in json.loads(FIELD_TABLES.read_text()) if from_table else []:
         if table["versions"] == versions:
-            return {name: (eval(text, dict(TYPE_NAMES)), default) for name, (text, default) in table["fields"].items()}
+            return {name: (read_type(text), default) for name, (text, default) in table["fields"].items()}
     from trl import GRPOConfig
 
     hints = typing.get_type_hints(GRPOConfig)
@@ -100,6 +102,29 @@ def grpo_fields(from_table: bool = True) -> dict:
         for f in dataclasses.fields(GRPOConfig)
         if f.init
     }
+
+
+def read_type(text: str):
+    """A type as the field table spells it (`int | None`, `Literal['a', 'b']`, `dict[str, Any]`) read back into the
+    annotation it names; anything else is refused."""
+
+    def read(node: ast.expr):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            return typing.Union[read(node.left), read(node.right)]  # noqa: UP007 (the operands may be None)
+        if isinstance(node, ast.Constant) and node.value is None:
+            return None
+        if isinstance(node, ast.Name) and node.id in TYPE_NAMES:
+            return TYPE_NAMES[node.id]
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+            items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if node.value.id == "Literal" and all(isinstance(item, ast.Constant) for item in items):
+                return typing.Literal[tuple(item.value for item in items)]
+            if node.value.id in ("list", "tuple", "dict"):
+                args = tuple(... if isinstance(i, ast.Constant) and i.value is ... else read(i) for i in items)
+                return TYPE_NAMES[node.value.id][args]
+        raise ValueError(f"{text!r}: not a type the field table spells")
+
+    return read(ast.parse(text, mode="eval").body)
 
 
 def trainer_field_problems(trainer: DictConfig) -> list[str]:
