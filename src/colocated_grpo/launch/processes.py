@@ -10,7 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT
 
@@ -18,6 +18,7 @@ from colocated_grpo.provenance import REPO
 
 TRAIN_SCRIPT = REPO / "train.py"
 LINUX = sys.platform.startswith("linux")
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # the grace a torchrun gives its workers (torch >= 2.12)
 
 
 def free_port() -> int:
@@ -60,14 +61,27 @@ def torchrun_command(
     return [sys.executable, "-m", "torch.distributed.run", *nodes, *rendezvous, *extra_args, str(script), *args]
 
 
+def shutdown_timeout(env: Mapping[str, str]) -> int | None:
+    """The grace, in whole seconds, that `env` gives a torchrun's workers after a stop signal; None: torch's own."""
+    value = env.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def with_grace(env: Mapping[str, str], grace_s: float) -> dict[str, str]:
+    """`env` in which a torchrun gives its workers `grace_s` after a stop signal, or the larger grace it gave."""
+    grace = max(math.ceil(grace_s), shutdown_timeout(env) or 0)
+    return {**env, SHUTDOWN_TIMEOUT_ENV: str(grace)}
+
+
 def start(
     cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None, grace_s: float | None = None
 ) -> subprocess.Popen:
     """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life. A torchrun
-    in it gives its workers `grace_s` after a stop signal before it kills them (its default: 30 s; torch >= 2.12)."""
+    in it gives its workers `grace_s` after a stop signal before it kills them, or the larger grace that `env` gives
+    (its default: 30 s; torch >= 2.12)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if grace_s is not None:
-        env = {**(os.environ if env is None else env), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(grace_s))}
+        env = with_grace(os.environ if env is None else env, grace_s)
     argv = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *map(str, cmd)] if LINUX else cmd
     with open(log_path, "ab") as log:  # the child holds its own descriptor
         return subprocess.Popen(
