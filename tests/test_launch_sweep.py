@@ -84,7 +84,7 @@ def test_each_job_is_its_own_torchrun_with_its_own_run_dir_and_log(tiny_sweep):
     for num in (0, 1):
         job = by_num[num]
         command = job["command"]
-        assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert command[:3] == [sys.executable, "-m", "colocated_grpo.launch.torchrun"]
         assert "--nproc_per_node=2" in command and f"hydra.run.dir='{job['path']}'" in command
         ports.add(next(a for a in command if a.startswith("--master_port=")))
         assert (job["path"] / "job.log").stat().st_size > 0

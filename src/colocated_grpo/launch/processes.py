@@ -18,7 +18,8 @@ from colocated_grpo.provenance import REPO
 
 TRAIN_SCRIPT = REPO / "train.py"
 LINUX = sys.platform.startswith("linux")
-SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # the grace a torchrun gives its workers (torch >= 2.12)
+TORCHRUN = "colocated_grpo.launch.torchrun"  # torchrun that gives its workers the grace below on every torch
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # that grace, in seconds (torch >= 2.12 reads it too)
 
 
 def free_port() -> int:
@@ -54,11 +55,11 @@ def torchrun_command(
     master_addr: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """`python -m torch.distributed.run` of `script args…` on `nproc` processes per node; a free port by default."""
+    """torchrun (launch/torchrun.py) of `script args…` on `nproc` processes per node; a free port by default."""
     port = free_port() if master_port is None else master_port
     nodes = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}"]
     rendezvous = [f"--master_addr={master_addr}", f"--master_port={port}"]
-    return [sys.executable, "-m", "torch.distributed.run", *nodes, *rendezvous, *extra_args, str(script), *args]
+    return [sys.executable, "-m", TORCHRUN, *nodes, *rendezvous, *extra_args, str(script), *args]
 
 
 def shutdown_timeout(env: Mapping[str, str]) -> int | None:
@@ -77,8 +78,8 @@ def start(
     cmd: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None, grace_s: float | None = None
 ) -> subprocess.Popen:
     """Start `cmd` in a session of its own, output appended to log_path, and bound to this process's life. A torchrun
-    in it gives its workers `grace_s` after a stop signal before it kills them, or the larger grace that `env` gives
-    (its default: 30 s; torch >= 2.12)."""
+    in it (torchrun_command) gives its workers `grace_s` after a stop signal before it kills them, or the larger grace
+    that `env` gives (its default: 30 s)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if grace_s is not None:
         env = with_grace(os.environ if env is None else env, grace_s)

@@ -187,7 +187,8 @@ def _run_trainer(command: list[str], log_path: Path, env: dict, grace_s: float, 
 
 
 # Lines of the trainer's log searched, from its end, for its own stop line: after it come the other ranks' and
-# torchrun's (its SignalException traceback alone is about 30), so the 30 lines shown of a failure are too few.
+# torchrun's (torch's own torchrun adds a SignalException traceback of about 30), so the 30 lines shown of a failure
+# are too few.
 STOP_LINE_WINDOW = 1000
 
 

@@ -1,6 +1,7 @@
 """Every signal handler of the package, one per process role and phase; no other module installs one (a test checks
 it). What each does is the table "What a signal does, by process and phase" in docs/resilience.md, whose rows name
-these functions. Standard library only: train.py installs the start-up handler before anything heavy is imported.
+these functions. Standard library only at import: train.py installs the start-up handler before anything heavy is
+imported.
 
 - a trainer (`python train.py`, a torchrun worker, the server placement's orchestrator, the plain-TRL bench):
   - start-up and loading, `run_main`: SIGTERM unwinds as StoppedAtOnce (exit 143, one line); Ctrl-C is Python's own
@@ -11,6 +12,8 @@ these functions. Standard library only: train.py installs the start-up handler b
   - under torchrun, `stop_with_torchrun_agent`: SIGTERM when the torchrun agent dies, even by SIGKILL.
 - an orchestrator of jobs (a sweep, a study), `sigterm_as_interrupt`: SIGTERM stops it as Ctrl-C does, so that the
   running job is stopped and recorded, not orphaned.
+- the torchrun this project starts (launch/torchrun.py), `torchrun_agent`: torch's own handler passes the signal to
+  the workers and waits for them; then the agent exits 128 + the signal in one line, not 1 with a traceback.
 """
 
 from __future__ import annotations
@@ -128,6 +131,23 @@ def stop_with_torchrun_agent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != agent:  # the agent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def torchrun_agent(run_torchrun: Callable[[], object]) -> int:
+    """Run torchrun's agent and return its exit status. Torch's own handler raises SignalException on SIGTERM,
+    SIGINT, SIGHUP and SIGQUIT; the agent passes the signal to the workers, waits for them and raises it again: that
+    stop ends here, 128 + the signal and one line, rather than exit 1 with torch's traceback. The workers' own lines
+    above it say what they saved."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    try:
+        run_torchrun()
+    except SignalException as stop:
+        name = signal.Signals(stop.sigval).name
+        said = f"torchrun: stopped by {name}, which it passed to the workers (their own lines say where they stopped)"
+        print(said, file=sys.stderr, flush=True)
+        return 128 + stop.sigval
+    return 0
 
 
 def sigterm_as_interrupt():

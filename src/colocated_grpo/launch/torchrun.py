@@ -1,0 +1,44 @@
+"""`python -m colocated_grpo.launch.torchrun ARGS…` is `torchrun ARGS…` with two differences, on every torch:
+
+- after a stop signal its agent gives the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to finish their step and
+  save, where torch 2.11 reads no such setting and always gives 30 s (torch 2.12 reads it: then the larger of the
+  two holds, so an own `--shutdown_timeout` stays in force);
+- after that stop it exits 128 + the signal (143 for SIGTERM) with one line, not 1 with torch's traceback
+  (signals.torchrun_agent).
+
+Every torchrun this project starts is this one (processes.torchrun_command)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from colocated_grpo.launch import processes
+from colocated_grpo.resilience import signals
+
+
+def honour_shutdown_timeout(grace_s: int | None) -> None:
+    """Make torchrun's agent wait at least `grace_s` (None: torch's own) for its workers after a stop signal, then
+    SIGKILL them. Torch 2.11's agent closes its workers with PContext.close(death_sig), whose timeout defaults to
+    30 s; 2.12 and later pass the shutdown timeout they read (LocalElasticAgent._shutdown)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    if grace_s is None:
+        return
+    close = PContext.close
+
+    def close_after_the_grace(self, death_sig=None, timeout: int = 30) -> None:
+        close(self, death_sig, max(timeout, grace_s))
+
+    PContext.close = close_after_the_grace
+
+
+def main() -> int:
+    from torch.distributed import run
+
+    honour_shutdown_timeout(processes.shutdown_timeout(os.environ))
+    return signals.torchrun_agent(run.main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
