@@ -194,6 +194,7 @@ def test_ctrl_c_stops_the_sweep_and_leaves_no_process_behind(run_env, tmp_path):
     assert not alive, f"left behind: {alive}"
     by_num = jobs(sweep_dir)
     assert by_num[0]["status"] == "interrupted" and by_num[1]["status"] == "cancelled"
+    assert by_num[0]["error"].startswith("training stopped by SIGINT after step "), by_num[0]["error"]
     assert not (by_num[1]["path"] / "job.log").exists()
     assert list(pd.read_csv(sweep_dir / "summary.csv")["status"]) == ["interrupted", "cancelled"]
 
@@ -472,6 +473,17 @@ def test_hydras_basic_launcher_is_refused_before_any_job_runs(run_sweep):
     assert "hydra/launcher=basic runs every job of this multirun inside one process" in proc.stderr
     assert "hydra/launcher=torchrun" in proc.stderr
     assert not list(sweep_dir.rglob("run.json")), "nothing ran"
+
+
+def test_a_job_stopped_by_a_signal_is_noted_by_where_it_stopped(tmp_path):
+    """Our torchrun ends a stop in one line of its own, no exception: the runner's stop line is the job's note."""
+    log = tmp_path / "job.log"
+    stop = "training stopped by SIGINT after step 3 of 500: checkpoint saved to RUN/checkpoint-3"
+    lines = ["step 3/500", f"[rank0]: [INFO] - {stop}; run files flushed and W&B run finished. Resume with: python …"]
+    log.write_text("\n".join([*lines, "torchrun: stopped by SIGINT, which it passed to the workers (…)"]) + "\n")
+    assert sweep_local.error_line(log) == stop
+    log.write_text("\n".join([*lines, "ValueError: empty range"]) + "\n")
+    assert sweep_local.error_line(log) == "ValueError: empty range", "an error is the cause, not the stop"
 
 
 def test_a_job_whose_process_a_signal_killed_says_so_in_one_line_of_ours():

@@ -85,13 +85,14 @@ _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s?")
 
 # torchrun's summary of a worker that a signal ended: "  traceback : Signal 9 (SIGKILL) received by PID 1794"
 _SIGNALLED = re.compile(r"^traceback\s*: Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
+_STOPPED = "training stopped by "  # the runner's line when a signal stopped it (resilience/attempts.py)
 
 
 def error_line(log_path: Path) -> str | None:
     """The last exception a failed job's log reports (the cause, not torchrun's ChildFailedError about it); for a
-    worker that a signal ended without an error of its own (the kernel's out-of-memory killer sends SIGKILL), a line
-    of ours that says so."""
-    found = signalled = None
+    job stopped by a signal, the runner's line saying where it stopped; for a worker that a signal ended without an
+    error of its own (the kernel's out-of-memory killer sends SIGKILL), a line of ours that says so."""
+    found = stopped = signalled = None
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -100,9 +101,12 @@ def error_line(log_path: Path) -> str | None:
                 exception = ":" in line and " " not in head and head.endswith(("Error", "Exception", "Interrupt"))
                 if exception and not head.endswith("ChildFailedError"):
                     found = line
+                if _STOPPED in line:
+                    stopped = _STOPPED + line.split(_STOPPED, 1)[1].split("; run files", 1)[0]
                 signalled = _SIGNALLED.match(line) or signalled
     except OSError:
         pass
+    found = found or stopped
     if found is None and signalled is not None:
         number, name, pid = signalled.groups()
         found = f"Killed: training process {pid} was ended by {name} (signal {number}) without an error of its own"
