@@ -1,8 +1,8 @@
 """`python -m colocated_grpo.launch.torchrun ARGS…` is `torchrun ARGS…` with two differences, on every torch:
 
 - after a stop signal its agent gives the workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds to finish their step and
-  save, where torch 2.11 reads no such setting and always gives 30 s (torch 2.12 reads it: then the larger of the
-  two holds, so an own `--shutdown_timeout` stays in force);
+  save, where torch 2.11 reads no such setting and always gives 30 s (torch 2.12 and later read it too, or take
+  `--shutdown_timeout` instead: the larger of that and the variable then holds);
 - after that stop it exits 128 + the signal (143 for SIGTERM) with one line, not 1 with torch's traceback
   (signals.torchrun_agent).
 
