@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.api import PContext
 
-from colocated_grpo.launch import processes, torchrun
+from colocated_grpo.compat import torch_elastic
+from colocated_grpo.launch import processes
 
 # A worker that takes `argv[1]` seconds to finish its step and save after SIGTERM or Ctrl-C, as the runner does.
 WORKER = """
@@ -85,9 +86,9 @@ def test_the_agent_waits_the_larger_of_the_callers_grace_and_its_own_timeout(mon
     timeout it read (`--shutdown_timeout`, TORCH_ELASTIC_SHUTDOWN_TIMEOUT): a larger one holds."""
     waited = []
     monkeypatch.setattr(PContext, "close", lambda self, death_sig=None, timeout=30: waited.append(timeout))
-    torchrun.honour_shutdown_timeout(None)
+    torch_elastic.honour_shutdown_timeout(None)
     PContext.close(None, signal.SIGTERM)
-    torchrun.honour_shutdown_timeout(45)
+    torch_elastic.honour_shutdown_timeout(45)
     PContext.close(None, signal.SIGTERM)
     PContext.close(None, signal.SIGTERM, 200)
     PContext.close(None, signal.SIGTERM, timeout=10)
