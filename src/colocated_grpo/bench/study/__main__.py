@@ -8,13 +8,16 @@ baseline, the environment and the exact commands) and a figure. The definition i
     python -m colocated_grpo.bench.study report sweeps/results/h200_x2
 
 `run` skips repeats whose job already finished, so running it again after an interruption continues the study;
-`--only MODEL/CASE …` runs only the steps that match (shell patterns), e.g. the runs a study still lacks. `plan`
-prints the steps `run` would take and their commands, without running any (with `--out`, those finished are kept).
+`--only MODEL/CASE …` runs only the steps that match (shell patterns), e.g. the runs a study still lacks. A study
+kept with the code (`--out` under sweeps/results/) runs from a committed tree only: `--trial` runs it anyway, and its
+report marks every run of it. `plan` prints the steps `run` would take and their commands, without running any (with
+`--out`, those finished are kept).
 
     python -m colocated_grpo.bench.study plan sweeps/studies/h200_x2.yaml --out sweeps/results/h200_x2
 
     OUT/study.yaml                    the definition as run
-    OUT/env.json                      per `run`: date, host, GPUs, driver, package versions
+    OUT/env.json                      per `run`: date, host, commit and uncommitted changes (their hash), CPU,
+                                      GPUs, driver, package versions, the host's load average during each step
     OUT/runs/<model>/<case>/          the case's sweep: sweep_rep<k>.log, summary.csv, rep<k>/ (job.json, run files)
     OUT/bench/<model>/<name>.json     standalone generation: tokens/s per repeat
     OUT/results.csv  results.md  study.png
@@ -36,6 +39,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     run_parser.add_argument(
         "--only", nargs="+", metavar="MODEL/CASE", help="run only these steps (shell patterns, e.g. '*1.5b*/fsdp')"
     )
+    run_parser.add_argument(
+        "--trial",
+        action="store_true",
+        help="run a study kept under sweeps/results/ from uncommitted code; its report marks each of these runs",
+    )
     plan_parser = sub.add_parser("plan", help="print the steps `run` would take and their commands; runs nothing")
     plan_parser.add_argument("definition", help="a study YAML")
     plan_parser.add_argument("--out", help="a study directory: its finished steps are shown as kept")
@@ -48,7 +56,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         return
     if args.command == "run":
         require_extra("notebooks", FIGURES, "study run (its report draws study.png)")
-        running.run(args.definition, args.out, args.only)
+        running.run(args.definition, args.out, args.only, args.trial)
     else:
         require_extra("notebooks", FIGURES, "study report (it draws study.png)")
     report.report(args.out)

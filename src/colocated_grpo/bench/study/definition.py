@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from colocated_grpo.analysis import tables
+from colocated_grpo.bench.study import host
 from colocated_grpo.provenance import REPO, git_state, package_versions
 from colocated_grpo.run_files import read_json
 
@@ -24,6 +25,7 @@ PLAIN_SCRIPT = Path("src/colocated_grpo/bench/plain_trl.py")  # in the checkout,
 STOP_GRACE_S = 60  # after Ctrl-C, what a job has to finish its step and save (its sweep's hydra.launcher.stop_grace_s)
 REPEATS, WARMUP_STEPS = 3, 1  # the defaults of `repeats` and `warmup_steps`
 LEARNING, FINAL_STEPS = {"identity", "control", "final_steps"}, 5  # the keys of `learning`; final_steps' default
+FLAG = "†"  # marks, in a report, what ran on code that is not a commit's (not_committed)
 
 
 def load(path: str | Path) -> dict:
@@ -190,15 +192,22 @@ def environments(out: Path) -> list[dict]:
     return [found] if isinstance(found, dict) else found
 
 
-def environment() -> dict:
-    """Where the study ran: date, host, GPUs and driver (NVML when present), package versions."""
+def environment(repo: Path = REPO, trial: bool = False) -> dict:
+    """Where the study ran: date, host, its CPU and load average, the checkout's commit and changes, GPUs and driver
+    (NVML when present), package versions; `trial` when run with --trial. `runs` is filled in as its steps run: each
+    step's host load (host.LoadDuringStep)."""
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
-        "git": git_state(),
+        "git": git_state(repo),
+        "trial": trial,
         "versions": package_versions(),
+        "cpu": host.cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average": host.load_average(),
         "gpus": [],
         "driver": None,
+        "runs": {},
     }
     try:
         import pynvml
@@ -215,8 +224,35 @@ def environment() -> dict:
     return env
 
 
+def step_key(model: str, name: str, repeat: int | None = None) -> str:
+    """A step's key in env.json's `runs`: MODEL/CASE/rep<k>, or MODEL/BENCH."""
+    return f"{model}/{name}" if repeat is None else f"{model}/{name}/rep{repeat}"
+
+
+def not_committed(env: dict) -> str | None:
+    """Why runs made in this environment are not results of a commit: a --trial run, uncommitted changes, or a tree
+    whose state is unknown; None for a committed tree."""
+    notes = ["trial run (--trial)"] if env.get("trial") else []
+    if tree := tree_note(env.get("git") or {}):
+        notes.append(tree)
+    return "; ".join(notes) or None
+
+
+def tree_note(git: dict) -> str | None:
+    """A run's code, from its git record (provenance.git_state), when it is not exactly its commit; None when it is."""
+    if git.get("dirty") is False:
+        return None
+    if git.get("dirty"):
+        digest = git.get("diff_sha256")
+        return f"uncommitted changes (diff sha256 {digest[:12]})" if digest else "uncommitted changes (not recorded)"
+    if git.get("checkout_sha"):
+        return f"tree state unknown (commit given; its .git at {git['checkout_sha'][:10]})"
+    return "tree state unknown"
+
+
 def environment_lines(out: Path) -> list[str]:
-    """One line per `run` into the study directory: when, on which GPUs and driver, with which versions."""
+    """One line per `run` into the study directory: when, at which commit and whether its code was that commit's,
+    on which GPUs, driver and CPU, the host's load average at its start, with which versions."""
     lines = []
     for env in environments(out):
         v = env.get("versions", {})
@@ -226,5 +262,12 @@ def environment_lines(out: Path) -> list[str]:
         gpus = ", ".join(env.get("gpus", [])) or "?"
         commit = (env.get("git") or {}).get("sha")
         at = f" at commit {commit[:10]}" if commit else ""
-        lines.append(f"- Run on {env.get('date', '?')}{at}: GPUs {gpus}, driver {env.get('driver')}; {versions}")
+        if note := not_committed(env):
+            at += f" **{FLAG} {note}**"
+        cpu = ""
+        if env.get("cpu") or env.get("cpu_count"):
+            cpu = f"; CPU {env.get('cpu') or '?'} ({env.get('cpu_count') or '?'} cores)"
+        if load := env.get("load_average"):
+            cpu += ", load average " + ", ".join(f"{x:.2f}" for x in load) + " (1, 5, 15 min) at its start"
+        lines.append(f"- Run on {env.get('date', '?')}{at}: GPUs {gpus}, driver {env.get('driver')}{cpu}; {versions}")
     return lines

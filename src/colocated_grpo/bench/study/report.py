@@ -1,24 +1,30 @@
 """A study's report: results.csv (one row per model and case: the mean over its repeats with their spread, speed-ups
-against the baseline case, repeat k paired with repeat k), results.md (the environment, the conditions, the table, the
-standalone generation rates and the exact commands) and study.png."""
+against the baseline case, repeat k paired with repeat k), speedups.csv (each case against each of its baselines: the
+median of the pairs with their spread, and the ratio of the means, on step time and on tokens/s), results.md (the
+environment, the conditions, the tables, each run with the host's load during it, the standalone generation rates and
+the exact commands; what ran on code that is not a commit's is marked on every line it reaches) and study.png."""
 
 from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 
 from colocated_grpo import run_files
 from colocated_grpo.analysis import tables
 from colocated_grpo.bench.study import learning
 from colocated_grpo.bench.study.definition import (
+    FLAG,
     baselines,
     bench_command,
     case_command,
     cases_of,
     environment_lines,
+    environments,
     load,
     repeat_dirs,
+    step_key,
+    tree_note,
 )
 from colocated_grpo.provenance import REPO
 from colocated_grpo.run_files import STEP_KEY, read_json, read_jsonl
@@ -57,19 +63,33 @@ MEANS = {
     "peak_gb": "memory/peak_gb",
 }
 # speedups.csv: one row per model, case and baseline (a case may have several): tokens per step of each side, and the
-# case's speed-up on step time and on tokens/s (the mean over the repeats both finished, and each pair's).
+# case's speed-up on step time and on tokens/s: the ratio of the means over the repeats both finished, the median of
+# the pairs, the lowest and highest pair, and each pair's.
 SPEEDUP_COLUMNS = (
     *("model", "case", "baseline", "tokens_per_step", "baseline_tokens_per_step"),
-    *("step_speedup", "step_speedup_min", "step_speedup_max", "step_speedup_pairs"),
-    *("tokens_per_s_speedup", "tokens_per_s_speedup_min", "tokens_per_s_speedup_max", "tokens_per_s_speedup_pairs"),
+    *("step_speedup", "step_speedup_median", "step_speedup_min", "step_speedup_max", "step_speedup_pairs"),
+    *("tokens_per_s_speedup", "tokens_per_s_speedup_median", "tokens_per_s_speedup_min", "tokens_per_s_speedup_max"),
+    "tokens_per_s_speedup_pairs",
 )
 
 
 def rows(out: Path, study: dict) -> tuple[list[dict], list[dict]]:
     """One row per (model, case) of a study directory (COLUMNS), speed-ups against each case's first baseline; and
     one row per (model, case, baseline) with the speed-ups on step time and on tokens/s (SPEEDUP_COLUMNS)."""
+    table, versus, _ = tables_of(out, study)
+    return table, versus
+
+
+def tables_of(out: Path, study: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """rows()' two tables, and one row per run of each case (RUN_COLUMNS)."""
     against = baselines(study)
-    table, versus = [], []
+    table, versus, each = [], [], []
+    trials, loads = set(), {}
+    for env in environments(out):
+        for key, found in (env.get("runs") or {}).items():
+            loads[key] = found.get("load_average")
+            if env.get("trial"):
+                trials.add(key)
     for model in study["models"]:
         repeats = {
             case: [repeat_row(d, study["warmup_steps"], k) for k, d in repeat_dirs(out / "runs" / model / case).items()]
@@ -78,10 +98,12 @@ def rows(out: Path, study: dict) -> tuple[list[dict], list[dict]]:
         made = {case: case_row(model, case, study["kinds"][case], runs) for case, runs in repeats.items()}
         for case, row in made.items():
             runs = repeats[case]
+            pairs = {}
             for i, base in enumerate(b for b in against.get(case, []) if b in repeats):
                 step = speedups(repeats[base], runs)
                 if i == 0:
                     row.update(_columns(step, "speedup", mean="speedup_vs_baseline"))
+                    pairs = _pairs(repeats[base], runs)
                 if base != case and step:
                     versus.append(
                         {
@@ -93,7 +115,19 @@ def rows(out: Path, study: dict) -> tuple[list[dict], list[dict]]:
                         }
                     )
             table.append({key: row.get(key) for key in COLUMNS})
-    return table, [{key: r.get(key) for key in SPEEDUP_COLUMNS} for r in versus]
+            for r in runs:
+                key = step_key(model, case, r["repeat"])
+                code = [*(["trial run (--trial)"] if key in trials else []), *([r["code"]] if r.get("code") else [])]
+                each.append(
+                    {
+                        **dict(model=model, case=case, repeat=r["repeat"], status=r["status"]),
+                        **{k: r.get(k) for k in ("step_s", "tokens_per_s")},
+                        "speedup": pairs.get(r["repeat"]),
+                        "load_average": loads.get(key),
+                        "code": "; ".join(code) or None,
+                    }
+                )
+    return table, [{key: r.get(key) for key in SPEEDUP_COLUMNS} for r in versus], each
 
 
 def _columns(found: dict, name: str, mean: str | None = None) -> dict:
@@ -111,6 +145,7 @@ def repeat_row(job_dir: Path, warmup: int, repeat: int) -> dict:
     if job["status"] != "finished":
         return row
     run = read_json(job_dir / run_files.RUN) or {}
+    row["code"] = tree_note(run.get("git") or {})  # None: the code of the commit it names
     steady = SteadyState(warmup, [a.get("from_step", 0) for a in run.get("attempts", [])])
     kept = [m for m in read_jsonl(job_dir / run_files.METRICS) if steady.past_warmup(m.get(STEP_KEY, 0))]
     for m in kept:
@@ -187,19 +222,35 @@ def speedups(baseline: list[dict], runs: list[dict], key: str = "step_s") -> dic
     """A case's speed-up over its baseline (both lists of repeat_row) on `key`: `mean`, the ratio of the means over
     the repeats both finished, and per pair (repeat k of each: run next to each other) `min`, `max` and `pairs` (the
     list). On step_s the baseline's over the case's; on a rate (tokens_per_s) the case's over the baseline's: with
-    natural stop the two sides may generate different numbers of tokens, so the two ratios can differ."""
-    base = {r["repeat"]: r[key] for r in baseline if r["status"] == "finished" and r.get(key)}
-    case = {r["repeat"]: r[key] for r in runs if r["status"] == "finished" and r.get(key)}
+    natural stop the two sides may generate different numbers of tokens, so the two ratios can differ. `median`: the
+    median of the pairs, which a slow run on one side moves less than the ratio of the means."""
+    base, case = _finished(baseline, key), _finished(runs, key)
     if not base or not case:
         return {}
-    ratio = (lambda b, c: b / c) if key == "step_s" else (lambda b, c: c / b)
-    pairs = {k: ratio(base[k], case[k]) if k in base and k in case else None for k in sorted(base.keys() | case.keys())}
+    ratio = _ratio(key)
+    pairs = _pairs(baseline, runs, key)
     both = base.keys() & case.keys() or base.keys() | case.keys()  # the repeats both finished: the same conditions
     found = {"mean": ratio(fmean(base[k] for k in both if k in base), fmean(case[k] for k in both if k in case))}
     if ratios := [p for p in pairs.values() if p is not None]:
-        found.update(min=min(ratios), max=max(ratios))
+        found.update(median=median(ratios), min=min(ratios), max=max(ratios))
         found["pairs"] = ", ".join(_num(p, "{:.3f}") or "–" for p in pairs.values())  # – : a run missing
     return found
+
+
+def _finished(runs: list[dict], key: str) -> dict[int, float]:
+    return {r["repeat"]: r[key] for r in runs if r["status"] == "finished" and r.get(key)}
+
+
+def _ratio(key: str):
+    """On step time the baseline's over the case's; on a rate the case's over the baseline's."""
+    return (lambda b, c: b / c) if key == "step_s" else (lambda b, c: c / b)
+
+
+def _pairs(baseline: list[dict], runs: list[dict], key: str = "step_s") -> dict[int, float | None]:
+    """Each repeat's speed-up over the baseline's repeat of the same number (None where either did not finish)."""
+    base, case = _finished(baseline, key), _finished(runs, key)
+    ratio = _ratio(key)
+    return {k: ratio(base[k], case[k]) if k in base and k in case else None for k in sorted(base.keys() | case.keys())}
 
 
 def bench_rows(out: str | Path) -> list[dict]:
@@ -226,7 +277,7 @@ def report(out: str | Path) -> list[Path]:
         )
     study = load(out / "study.yaml")
     csv, md, figure = out / "results.csv", out / "results.md", out / "study.png"
-    found, versus = rows(out, study)
+    found, versus, each = tables_of(out, study)
     table = pd.DataFrame(found, columns=list(COLUMNS))
     table.to_csv(csv, index=False, float_format="%.4g")
     written = [csv]
@@ -235,7 +286,7 @@ def report(out: str | Path) -> list[Path]:
         versus.to_csv(out / "speedups.csv", index=False, float_format="%.4g")
         written.append(out / "speedups.csv")
     plots.study_figure(table).savefig(figure, dpi=120)
-    md.write_text(markdown(out, study, table, bench_rows(out), versus if len(versus) else None))
+    md.write_text(markdown(out, study, table, bench_rows(out), versus if len(versus) else None, each))
     for path in (*written, md, figure):
         print(path)
     return [*written, md, figure, *(learning.report(out, study) if study.get("learning") else [])]
@@ -246,8 +297,14 @@ def one_run_per_case(out: Path) -> bool:
     return any(out.glob("runs/*/*/*/" + run_files.JOB)) and not any(out.glob("runs/*/*/rep*/" + run_files.JOB))
 
 
-def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) -> str:
+def markdown(out: Path, study: dict, table, benches: list[dict], versus=None, runs: list[dict] = ()) -> str:
+    """results.md from the tables (COLUMNS, SPEEDUP_COLUMNS and the runs of tables_of)."""
     lines = [f"# Study results: {out.name}", "", *environment_lines(out)]
+    flagged = {(r["model"], r["case"]) for r in runs if r["code"]}
+
+    def case(r, name: str = "case") -> str:
+        return r[name] + (f" {FLAG}" if (r["model"], r[name]) in flagged else "")
+
     if isinstance(study["baseline"], dict):
         pairs = ", ".join(f"`{case}` against `{base}`" for case, base in study["baseline"].items())
         baseline = f"speed-ups: {pairs}"
@@ -268,7 +325,8 @@ def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) ->
         explained = (
             "Step s: the mean over a case's runs of each run's steady-state mean (steps after warm-up), in brackets "
             "the lowest and highest run mean. Speed-up: the baseline's mean step time / the case's, in brackets the "
-            "lowest and highest of the pairs (run k of the case against run k of its baseline)."
+            "lowest and highest of the pairs (run k of the case against run k of its baseline); Speed-ups gives the "
+            "median of the pairs, on step time and on tokens/s."
         )
     lines += [
         f"- Definition: `study.yaml` in this directory ({baseline})",
@@ -276,10 +334,10 @@ def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) ->
         "",
         explained,
         "Kind: `ours` runs train.py; `plain_trl` the same workload through an unmodified TRL GRPOTrainer",
-        "(bench/plain_trl.py), measured by the same instruments. tok/s/GPU counts every GPU used (the server's too);",
-        "a case and its baseline do the same work per step, so the step-time ratio is the throughput ratio. Peak GB:",
-        "the most any GPU held (a server's included); GB while training / generating: the most a training GPU held",
-        "during the train / generate phase (sleep mode hands vLLM's share to training, and back for generation).",
+        "(bench/plain_trl.py), measured by the same instruments. tok/s/GPU counts every GPU used (the server's too).",
+        "Peak GB: the most any GPU held (a server's included); GB while training / generating: the most a training GPU",
+        "held during the train / generate phase (sleep mode hands vLLM's share to training, and back for generation).",
+        *_flag_legend(flagged),
         "",
         f"| model | case | kind | GPUs | runs | {step_header} | gen s | sync s | sleep/wake s | train s | tok/s/GPU | "
         "speed-up | util gen % | util train % | peak GB | GB while training | GB while generating |",
@@ -293,7 +351,7 @@ def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) ->
             speedup += _range(r["speedup_min"], r["speedup_max"])
         cells = [
             r["model"],
-            r["case"] + ("" if r["status"] == "finished" else f" ({r['status']})"),
+            case(r) + ("" if r["status"] == "finished" else f" ({r['status']})"),
             r["kind"],
             _gpus(r),
             _num(r["repeats"], "{:.0f}"),
@@ -312,34 +370,51 @@ def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) ->
         for _, r in unfinished.iterrows():
             note = "none recorded: see its job.log" if tables.missing(r["note"]) else r["note"]
             note = str(note).replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {r['model']} | {r['case']} | {r['status']} | {note} |")
+            lines.append(f"| {r['model']} | {case(r)} | {r['status']} | {note} |")
     if versus is not None:
         lines += [
             "",
             "## Speed-ups",
             "",
             "Each case against each of its baselines, on step time and on tokens/s (with natural stop the two sides",
-            "may generate different numbers of tokens: tokens per step shows it). In brackets: the lowest and highest",
-            "pair.",
+            "may generate different numbers of tokens: tokens per step shows it): the median of the pairs (run k",
+            "against run k), in brackets the lowest and highest pair, then the ratio of the means.",
             "",
-            "| model | case | against | tokens / step | baseline tokens / step | on step time | on tokens/s |",
-            "|---|---|---|---:|---:|---:|---:|",
+            "| model | case | against | tokens / step | baseline tokens / step | on step time: median (pairs) | means |"
+            " on tokens/s: median (pairs) | means |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for _, r in versus.iterrows():
             cells = [
-                *(r["model"], r["case"], r["baseline"]),
+                *(r["model"], case(r), case(r, "baseline")),
                 *(_num(r[k], "{:,.0f}") for k in ("tokens_per_step", "baseline_tokens_per_step")),
-                _num(r["step_speedup"], "{:.2f}×") + _range(r["step_speedup_min"], r["step_speedup_max"]),
-                _num(r["tokens_per_s_speedup"], "{:.2f}×")
-                + _range(r["tokens_per_s_speedup_min"], r["tokens_per_s_speedup_max"]),
+                *_speedup_cells(r, "step_speedup"),
+                *_speedup_cells(r, "tokens_per_s_speedup"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
-    if not single:
-        lines += ["", "## Runs", "", "| model | case | step s of each run | speed-up of each pair |"]
-        lines.append("|---|---|---|---|")
-        for _, r in table[table["step_s_repeats"].notna()].iterrows():
-            pairs = "" if tables.missing(r["speedup_pairs"]) else r["speedup_pairs"]
-            lines.append(f"| {r['model']} | {r['case']} | {r['step_s_repeats']} | {pairs} |")
+    if not single and runs:
+        lines += [
+            "",
+            "## Runs",
+            "",
+            "Each run: its steady-state step time and tokens/s, its speed-up over the run of its baseline next to it,",
+            "the host's 1-minute load average at its start, at its highest and at its end (the run's own processes",
+            "included; recorded from the study's env.json where it has them), and the code it ran where that was not",
+            "its commit's.",
+            "",
+            "| model | case | run | step s | tokens/s | speed-up of the pair | host load: start, peak, end | code |",
+            "|---|---|---:|---:|---:|---:|---|---|",
+        ]
+        for r in runs:
+            cells = [
+                *(r["model"], case(r), str(r["repeat"])),
+                _num(r["step_s"], "{:.3f}") or r["status"],
+                _num(r["tokens_per_s"], "{:,.0f}"),
+                _num(r["speedup"], "{:.2f}×"),
+                _load(r["load_average"]),
+                f"{FLAG} {r['code']}" if r["code"] else "",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Generation and weight sync",
@@ -349,7 +424,7 @@ def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) ->
     ]
     for _, r in table[table["gen_tokens_per_s_per_engine"].notna()].iterrows():
         lines.append(
-            f"| {r['model']} | {r['case']} | {_num(r['gen_tokens_per_s_per_engine'], '{:,.0f}')} | "
+            f"| {r['model']} | {case(r)} | {_num(r['gen_tokens_per_s_per_engine'], '{:,.0f}')} | "
             f"{_num(r['sync_weights_s'], '{:.3f}')} | {_num(r['sync_s_per_b_params'], '{:.3f}')} |"
         )
     if benches:
@@ -381,6 +456,29 @@ def markdown(out: Path, study: dict, table, benches: list[dict], versus=None) ->
             lines.append(shlex.join(["python", *command[1:]]))
     lines += ["```", "", "![step time by phase and throughput](study.png)", ""]
     return "\n".join(lines)
+
+
+def _flag_legend(flagged: set) -> list[str]:
+    if not flagged:
+        return []
+    return [
+        "",
+        f"{FLAG} ran on code that is not its commit's (a trial run, uncommitted changes, or a tree whose state is",
+        "unknown; the environment lines above and each run under Runs say which): not a result of the commit named.",
+    ]
+
+
+def _speedup_cells(r, name: str) -> list[str]:
+    """The median of the pairs with the lowest and highest pair, and the ratio of the means, of a speed-up."""
+    found = _num(r[f"{name}_median"], "{:.2f}×")
+    return [found + _range(r[f"{name}_min"], r[f"{name}_max"]) if found else "", _num(r[name], "{:.2f}×")]
+
+
+def _load(load: dict | None) -> str:
+    if not load:
+        return "not recorded"
+    values = [(load.get("start") or [None])[0], load.get("peak_1min"), (load.get("end") or [None])[0]]
+    return ", ".join(_num(x, "{:.2f}") or "?" for x in values)
 
 
 def _runs(n: int) -> str:

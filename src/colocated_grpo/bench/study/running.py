@@ -13,29 +13,37 @@ import sys
 import time
 from pathlib import Path
 
-from colocated_grpo.bench.study import definition, portable
+from colocated_grpo.bench.study import definition, host, portable
 from colocated_grpo.bench.study.definition import bench_command, case_command, case_status, describe, repeat_dir
 from colocated_grpo.launch import processes
 from colocated_grpo.launch.progress import Progress, run_step
-from colocated_grpo.provenance import checkout
+from colocated_grpo.provenance import RESULTS_DIR, checkout
 from colocated_grpo.resilience.signals import sigterm_as_interrupt
 from colocated_grpo.run_files import write_json
 
 
-def run(study_file: str | Path, out: str | Path, only: list[str] | None = None) -> None:
-    """Run the study's steps into `out`, those matching `only` (MODEL/CASE patterns) when given."""
+def run(study_file: str | Path, out: str | Path, only: list[str] | None = None, trial: bool = False) -> None:
+    """Run the study's steps into `out`, those matching `only` (MODEL/CASE patterns) when given. A study kept with
+    the code (`out` under sweeps/results/) runs from a committed tree only, unless `trial`, which its report marks."""
     repo = checkout()  # refuses at once when there is no train.py to run
     study = definition.load(study_file)
     steps = plan(study, only)
     out = Path(out).resolve()  # jobs write where this process means, whatever their cwd
+    env = definition.environment(repo, trial)
+    refuse_uncommitted(out, repo, env)
     out.mkdir(parents=True, exist_ok=True)
     (out / "study.yaml").write_text(Path(study_file).read_text())
-    env = [*definition.environments(out), definition.environment()]  # a continued study may change machine
-    write_json(out / "env.json", env)
+    earlier = definition.environments(out)  # a continued study may change machine
+
+    def record(key: str, load: dict) -> None:
+        env["runs"][key] = {"load_average": load}
+        write_json(out / "env.json", [*earlier, env])
+
+    write_json(out / "env.json", [*earlier, env])
     started = time.monotonic()
     try:
         with sigterm_as_interrupt():  # SIGTERM (kill, a scheduler) stops the study as Ctrl-C does
-            _run_steps(study, out, steps, repo)
+            _run_steps(study, out, steps, repo, record)
     except KeyboardInterrupt:  # the job in flight was stopped with SIGINT and recorded as interrupted
         print(
             f"study interrupted after {time.monotonic() - started:.0f} s; run the same command again to continue",
@@ -57,6 +65,27 @@ def run(study_file: str | Path, out: str | Path, only: list[str] | None = None) 
         )
         sys.exit(1)
     print(f"study done in {time.monotonic() - started:.0f} s; report: colocated-grpo study report {out}")
+
+
+def refuse_uncommitted(out: Path, repo: Path, env: dict) -> None:
+    """Refuse to run a kept study (one under the checkout's sweeps/results/) from code that is not a commit's: its
+    results would name a commit that did not make them. A trial run (--trial) goes on, marked as one."""
+    kept = repo / RESULTS_DIR
+    if env.get("trial") or not out.is_relative_to(kept.resolve()):
+        return
+    git = env["git"]
+    if git.get("dirty") is False:
+        return
+    if git.get("dirty"):
+        shown = ", ".join(git.get("changed", []))
+        more = git.get("changed_count", 0) - len(git.get("changed", []))
+        why = f"the checkout has uncommitted changes ({shown}{f' and {more} more' if more > 0 else ''})"
+    else:
+        why = f"the checkout's state is unknown ({definition.tree_note(git)}): there is no git checkout to ask"
+    raise SystemExit(
+        f"{out}: a study kept in {RESULTS_DIR}/ runs from a committed tree, and {why}. Commit them and run again, or "
+        "run with --trial: the report then marks every run of it as a trial, not as a result of the commit"
+    )
 
 
 def plan(study: dict, only: list[str] | None = None) -> list[tuple[str, str, str, int | None]]:
@@ -119,7 +148,8 @@ def _kept(job_dir: Path | None) -> str:
     return f"{'finished' if job_dir else 'measured'} earlier, kept"
 
 
-def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str, int | None]], repo: Path) -> None:
+def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str, int | None]], repo: Path, record) -> None:
+    """Run each step not finished earlier; `record(key, load)` keeps the host's load during each step that ran."""
     with Progress("study", len(steps)) as shown:
         for i, step in enumerate(steps, 1):
             what, done, command, log, job_dir = _step(study, out, step, repo)
@@ -128,8 +158,13 @@ def _run_steps(study: dict, out: Path, steps: list[tuple[str, str, str, int | No
                 print(f"{label}: {_kept(job_dir)}", flush=True)
                 shown.skip(label)
                 continue
-            with shown.job(what, lambda d=job_dir: run_step(d)) if job_dir else shown.job(what):
+            model, _, name, repeat = step
+            with (
+                shown.job(what, lambda d=job_dir: run_step(d)) if job_dir else shown.job(what),
+                host.LoadDuringStep() as load,
+            ):
                 _run_logged(command, log, label)
+            record(definition.step_key(model, name, repeat), load.record)
             if job_dir:
                 print(f"    {describe(job_dir)}", flush=True)
 
