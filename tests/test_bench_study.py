@@ -189,7 +189,9 @@ def test_the_plain_run_records_what_ours_records(tiny_study):
     assert read_json(ours / "summary.json")["steady_state/warmup_steps"] == WARMUP
     assert (plain / "phases.jsonl").stat().st_size and (plain / "gpu_samples.jsonl").exists()
     config = yaml.safe_load((plain / "config.yaml").read_text())
-    assert config["placement"]["fast_outputs"] is False and config["placement"]["fast_sync"] is False
+    assert config["plain_trl"] == "ours", "given our settings where the case does not ask for TRL's defaults"
+    assert config["placement"]["fast_sync"] is False and config["placement"]["one_forward"] is False
+    assert config["placement"]["fast_outputs"] is True, "vLLM's request without text, read by TRL's own parser"
     assert "rollouts.jsonl" not in {p.name for p in plain.iterdir()}, "none of our own recording either"
     ours_config = yaml.safe_load((ours / "config.yaml").read_text())
     assert config["trainer"] == ours_config["trainer"] and config["model"] == ours_config["model"]
@@ -511,7 +513,8 @@ def test_each_kind_has_its_command_and_each_repeat_its_directory(tmp_path):
     assert (REPO / study.PLAIN_SCRIPT).is_file()
     assert plain[-3:] == ["telemetry.warmup_steps=2", f"hydra.sweep.dir={case_dir}", "hydra.sweep.subdir=rep2"]
     ours = study.case_command(spec, "m", "ours_128", case_dir.with_name("ours_128"), repeat=2)
-    assert ours[3] == "model=m" and ours[4:-3] == plain[5:-3], "the same overrides, through train.py"
+    same = [o for o in plain[5:-3] if o != "+plain_trl=trl_defaults"]  # the plain case's one override of its own
+    assert ours[3] == "model=m" and ours[4:-3] == same, "the same overrides, through train.py"
     legacy = study.case_command(spec, "m", "ours_128", case_dir.with_name("ours_128"))
     assert legacy[-1] == f"hydra.sweep.dir={case_dir.with_name('ours_128')}", "a study made before repeats"
     assert "telemetry.warmup_steps=2" not in legacy
@@ -639,8 +642,12 @@ def test_the_plain_trl_script_calls_none_of_our_changes_to_trl():
     assert {"TimedGRPOTrainer", "TelemetryCallback", "MetricsFileCallback"} <= called and "trainer.train()" in source
 
 
-def test_plain_trl_gets_our_grpo_config_but_trls_engine_request(tmp_path, monkeypatch):
-    """The workload bench/plain_trl.py builds is ours to the field, generation_kwargs aside (TRL's own request)."""
+def test_plain_trl_given_our_settings_gets_our_grpo_config_to_the_field_and_at_trls_defaults_trls(
+    tmp_path, monkeypatch
+):
+    """The workload bench/plain_trl.py builds given our settings (the default, `+plain_trl=ours`) is ours to the
+    field, the engine request without text and with flat log-probs and the checkpointing chosen from memory included:
+    they come from the same switches through the same code. At TRL's defaults those two are TRL's own."""
     from colocated_grpo.bench import plain_trl
     from colocated_grpo.training import preflight
 
@@ -648,17 +655,66 @@ def test_plain_trl_gets_our_grpo_config_but_trls_engine_request(tmp_path, monkey
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     overrides = ("logger=none", "run.name=t", "trainer.learning_rate=3e-6", "seed=7")
     ours = preflight.prepare(compose_train(*overrides), tmp_path, report_to=[])
-    cfg = compose_train(*overrides)
+    assert ours.args.generation_kwargs == {"detokenize": False, "flat_logprobs": True}
+    assert ours.args.gradient_checkpointing is False, "the tiny model's micro-batch fits: chosen off"
+    for given in ([], ["+plain_trl=ours"]):
+        cfg = compose_train(*overrides, *given)
+        plain = plain_trl.workload(cfg, tmp_path)
+        assert plain.args.to_dict() == ours.args.to_dict(), given
+        assert list(plain.dataset["prompt"]) == list(ours.dataset["prompt"])
+        assert cfg.plain_trl == "ours" and not cfg.placement.fast_sync and not cfg.placement.one_forward
+    cfg = compose_train(*overrides, "+plain_trl=trl_defaults")
     plain = plain_trl.workload(cfg, tmp_path)
-    assert ours.args.generation_kwargs.get("flat_logprobs") and not (plain.args.generation_kwargs or {})
+    assert not plain.args.generation_kwargs and plain.args.gradient_checkpointing is True, "TRL's defaults"
     differ = {k for k, v in ours.args.to_dict().items() if plain.args.to_dict()[k] != v}
-    assert differ == {"generation_kwargs"}
-    assert plain.args.learning_rate == 3e-6 and plain.args.seed == 7 and plain.args.use_vllm
-    assert plain.args.vllm_mode == "colocate" and list(plain.dataset["prompt"]) == list(ours.dataset["prompt"])
-    assert not [k for k, v in cfg.placement.items() if v is True and k != "cpu_eager"], "config.yaml says what ran"
+    assert differ <= {"generation_kwargs", "gradient_checkpointing", "activation_checkpointing"}
+    assert plain.args.learning_rate == 3e-6 and plain.args.seed == 7 and plain.args.vllm_mode == "colocate"
+    assert cfg.plain_trl == "trl_defaults" and not cfg.run.auto_memory, "config.yaml says what ran"
+    assert not [k for k, v in cfg.placement.items() if v is True and k != "cpu_eager"]
+    with pytest.raises(ValueError, match="plain_trl='mine': one of ours, trl_defaults"):
+        plain_trl.workload(compose_train(*overrides, "+plain_trl=mine"), tmp_path)
     server = compose_train("placement=server", "logger=none", "run.name=t")
     with pytest.raises(ValueError, match="placement=server: a plain TRL run has no server of ours"):
         plain_trl.workload(server, tmp_path)
+
+
+def test_every_switch_of_ours_is_given_to_plain_trl_or_named_as_our_code():
+    """Each boolean switch of the placement group and of `run` (conf/) is in one list of bench/plain_settings.py:
+    a setting TRL accepts (plain TRL given our settings gets it), our code (off in plain TRL) or the workload (the
+    same for all). A new default of ours cannot reach our runs and miss the plain baseline unnoticed."""
+    from colocated_grpo.bench import plain_settings
+
+    lists = [set(plain_settings.TRL_SETTINGS), set(plain_settings.OUR_CODE), set(plain_settings.SAME_FOR_ALL)]
+    switches = {
+        f"run.{key}"
+        for key, value in yaml.safe_load((REPO / "conf" / "train.yaml").read_text())["run"].items()
+        if isinstance(value, bool)
+    }
+    for path in (REPO / "conf" / "placement").glob("*.yaml"):
+        placement = yaml.safe_load(path.read_text()).get("placement") or {}
+        switches |= {f"placement.{key}" for key, value in placement.items() if isinstance(value, bool)}
+    assert {"placement.fast_outputs", "placement.one_forward", "run.auto_memory"} <= switches
+    for switch in sorted(switches):
+        assert sum(switch in found for found in lists) == 1, f"{switch}: in exactly one list of plain_settings"
+    assert not set().union(*lists) - switches, "a list names a switch conf/ no longer has"
+    assert all(value is False for value in plain_settings.TRL_SETTINGS.values()), "TRL's defaults: ours off"
+
+
+def test_trls_own_parser_reads_flat_log_probs_as_ours_does():
+    """vLLM's flat log-probs (one of the settings plain TRL given ours gets) need none of our code: TRL's own parser
+    reads them, through their sequence interface, to the same log-probs and token ids as our reader."""
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from colocated_grpo.compat import trl as trl_internals
+
+    flat = FlatLogprobs()
+    for token, logprob in ((5, -0.5), (7, float("nan")), (9, -2.0)):
+        flat.append({token: Logprob(logprob=logprob, rank=1, decoded_token=None)})
+    outputs = [SimpleNamespace(outputs=[SimpleNamespace(logprobs=flat, token_ids=[5, 7, 9])])]
+    expected = ([[[-0.5], [None], [-2.0]]], [[[5], [7], [9]]])
+    assert trl_internals.extract_logprobs(outputs) == expected == trl_internals.read_flat_logprobs(outputs)
 
 
 def test_the_plain_trl_study_plans_its_plain_cases_on_this_machine(run_env, tmp_path):

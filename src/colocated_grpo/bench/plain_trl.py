@@ -2,15 +2,18 @@
 documentation shows it, so that a study can set what a user would write instead beside our runs.
 
 The config is composed from the same `conf/` and the workload built by the same builders as ours (model files,
-dataset with its prompts fitted, rewards, `trl.GRPOConfig`: lengths, batch, memory share, learning rate, seed,
-gradient checkpointing), with `placement.fast_outputs=false` so that none of our engine-request changes reach
-GRPOConfig. It runs `compat.grpo_trainer.TimedGRPOTrainer`, whose overrides only time TRL's steps and call TRL's
-own, not our `ColocatedGRPOTrainer`: none of our changes to TRL. It records with the instruments our runs use
-(telemetry.callback: phase timings with the same CUDA syncs, NVML samples, tokens/s) into the same run files, plus
-config.yaml and run.json (`kind: plain_trl`), so one table reads both.
+dataset with its prompts fitted, rewards, `trl.GRPOConfig`: lengths, batch, memory share, learning rate, seed).
+Of our settings it gets those TRL accepts from any user (gradient checkpointing chosen from memory, vLLM's request
+without text and with flat log-probs, …: bench/plain_settings.py), through the same code as ours, unless the case
+asks for TRL's defaults (`+plain_trl=trl_defaults`); none of those that change TRL's code. It runs
+`compat.grpo_trainer.TimedGRPOTrainer`, whose overrides only time TRL's steps and call TRL's own, not our
+`ColocatedGRPOTrainer`. It records with the instruments our runs use (telemetry.callback: phase timings with the same
+CUDA syncs, NVML samples, tokens/s) into the same run files, plus config.yaml and run.json (`kind: plain_trl`), so
+one table reads both.
 
     torchrun --nproc_per_node=1 src/colocated_grpo/bench/plain_trl.py +experiment=gpu_smoke hydra.run.dir=DIR
     python train.py -m hydra.launcher.script=src/colocated_grpo/bench/plain_trl.py +experiment=gpu_smoke …
+    python train.py -m hydra.launcher.script=src/colocated_grpo/bench/plain_trl.py +plain_trl=trl_defaults …
 
 A study runs it for a case `{kind: plain_trl, overrides: […]}` (colocated_grpo.bench.study).
 """
@@ -22,9 +25,10 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from colocated_grpo import provenance, run_files
+from colocated_grpo.bench import plain_settings
 from colocated_grpo.compat.hydra import output_dir, task_overrides
 from colocated_grpo.launch import config_groups
 from colocated_grpo.resilience import attempts, checkpoints, process_end, signals
@@ -80,16 +84,13 @@ def main(cfg: DictConfig) -> None:
 
 
 def workload(cfg: DictConfig, run_dir: Path):
-    """What our run of `cfg` would train on, built by our builders: preflight's dataset and trl.GRPOConfig, with
-    TRL's own engine request (placement.fast_outputs=false; it changes generation_kwargs only)."""
+    """What our run of `cfg` would train on, built by our builders: preflight's dataset and trl.GRPOConfig, with our
+    switches set as plain TRL gets them (plain_settings.apply: in `cfg` itself, so that config.yaml says what ran)."""
     from colocated_grpo.training import preflight
 
     if cfg.placement.name == "server":
         raise config.ConfigError(["placement=server: a plain TRL run has no server of ours; use a colocated case"])
-    with open_dict(cfg):  # placement's switches turn our changes to TRL on: off, so that config.yaml says what ran
-        for key, value in cfg.placement.items():
-            if isinstance(value, bool) and key != "cpu_eager":  # cpu_eager: see _prepare_environment below
-                cfg.placement[key] = False
+    plain_settings.apply(cfg)
     return preflight.prepare(cfg, run_dir, report_to=[])
 
 
