@@ -872,6 +872,49 @@ def test_the_committed_speed_results_regenerate_and_hold_the_readme_headline(tmp
     assert plain_ours["train_mfu"] > plain["train_mfu"] and plain_ours["peak_gb"] > plain["peak_gb"]
 
 
+def test_the_readme_headline_says_what_the_two_kept_plain_trl_studies_show():
+    """The README's headline and docs/results.md say what the kept files give: the interleaved study's ratio with the
+    median of its pairs, the ratio against the day before's plain run at TRL's defaults (means, and medians of the
+    runs), and that neither study's code is known to be its commit's. The README's Tests section and the development
+    guide's state the suite as it is, without the times of earlier clones."""
+    from statistics import median
+
+    kept = REPO / "sweeps" / "results"
+    speed = pd.read_csv(kept / "speed_h200" / "results.csv").set_index("case")
+    before = pd.read_csv(kept / "plain_trl_h200" / "results.csv").set_index("case")
+    versus = pd.read_csv(kept / "speed_h200" / "speedups.csv").set_index("baseline")
+    readme, results = ((REPO / name).read_text() for name in ("README.md", "docs/results.md"))
+    ours, plain, plain_before = speed.loc["ours_256"], speed.loc["plain_256"], before.loc["plain_256"]
+
+    def runs(row) -> list[float]:
+        return [float(x) for x in row["step_s_repeats"].split(",")]
+
+    interleaved = plain["step_s"] / ours["step_s"]
+    day_before = plain_before["step_s"] / ours["step_s"]
+    medians = median(runs(plain_before)) / median(runs(ours))
+    headline = next(line for line in readme.splitlines() if line.startswith("## Headline result"))
+    assert f"{day_before:.1f}–{interleaved:.1f}×" in headline
+    for text in (readme, results):
+        assert f"**{interleaved:.2f}×**" in text and f"{day_before:.2f}×" in text and f"{medians:.2f}×" in text
+        assert f"{plain_before['step_s']:.2f} s" in text and f"{plain['step_s']:.2f} s" in text
+        for baseline in ("plain_256", "plain_ours_256"):
+            for key in ("step_speedup_median", "tokens_per_s_speedup_median"):
+                assert f"| {versus.loc[baseline, key]:.2f}× |" in text, (baseline, key)
+    speed_git = [read_json(p)["git"] for p in (kept / "speed_h200").glob("runs/*/*/rep*/run.json")]
+    before_git = [read_json(p)["git"] for p in (kept / "plain_trl_h200").glob("runs/*/*/rep*/run.json")]
+    assert {git["dirty"] for git in speed_git} == {True} and {git["dirty"] for git in before_git} == {None}
+    said = [" ".join(text.split()) for text in (readme, results)]  # as read, not as wrapped
+    assert "uncommitted changes (`dirty: true`)" in said[0] and "with `dirty: true`" in said[1]
+    assert all("its changes unknown" in text for text in said)
+
+    development = (REPO / "docs" / "development.md").read_text()
+    sections = [text.split("\n## Tests\n")[1].split("\n\n- ")[0].split("\n## ")[0] for text in (readme, development)]
+    for section in sections:
+        assert not re.search(r"\b\d{1,2}:\d\d\b", section), "the times of earlier clones belong in CHANGELOG.md"
+    counts = [re.findall(r"\((\d+) tests", section) for section in sections]
+    assert len(counts[0]) == 2 and counts[0] == counts[1], counts
+
+
 def test_the_committed_parallelism_results_regenerate_and_docs_parallelism_holds_their_numbers(tmp_path):
     """sweeps/results/parallelism_h200: what each backend costs and what fits on one H200. Each finished case's step
     time, throughput and memory in docs/parallelism.md are its results.csv row; 7B ZeRO-3 and FSDP2 failed with our
