@@ -998,7 +998,7 @@ def test_a_runs_tree_is_dirty_for_code_not_for_kept_results_and_its_changes_are_
     assert given == {**latest, "sha": head[:10], "source": provenance.GIT_SHA_VARIABLE}
 
 
-def test_a_kept_study_runs_from_a_committed_tree_only_unless_a_trial(tmp_path, monkeypatch, capsys):
+def test_a_kept_study_runs_from_a_committed_tree_only_unless_a_trial(tmp_path, monkeypatch):
     """A study into sweeps/results/ refuses uncommitted code or a tree of unknown state before it writes anything,
     naming the changes and --trial; a trial run, and a study outside sweeps/results/, go on."""
     from colocated_grpo.bench.study import running
@@ -1017,7 +1017,8 @@ def test_a_kept_study_runs_from_a_committed_tree_only_unless_a_trial(tmp_path, m
         with pytest.raises(SystemExit, match=r"runs from a committed tree, and the checkout has uncommitted changes"):
             study_main(["run", str(definition), "--out", str(kept)])
         with pytest.raises(
-            SystemExit, match=r"\(src/x\.py and 2 more\)\. Commit them and run again, or run with --trial"
+            SystemExit,
+            match=r"\(src/x\.py and 2 more\)\. Run it from a git checkout with its changes committed, or with --trial",
         ):
             running.run(definition, kept)
         monkeypatch.setattr(study, "git_state", lambda *repo: {"sha": "abc1234", "dirty": None})

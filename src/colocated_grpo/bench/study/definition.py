@@ -26,6 +26,7 @@ STOP_GRACE_S = 60  # after Ctrl-C, what a job has to finish its step and save (i
 REPEATS, WARMUP_STEPS = 3, 1  # the defaults of `repeats` and `warmup_steps`
 LEARNING, FINAL_STEPS = {"identity", "control", "final_steps"}, 5  # the keys of `learning`; final_steps' default
 FLAG = "†"  # marks, in a report, what ran on code that is not a commit's (not_committed)
+TRIAL = "trial run (--trial)"
 
 
 def load(path: str | Path) -> dict:
@@ -232,7 +233,7 @@ def step_key(model: str, name: str, repeat: int | None = None) -> str:
 def not_committed(env: dict) -> str | None:
     """Why runs made in this environment are not results of a commit: a --trial run, uncommitted changes, or a tree
     whose state is unknown; None for a committed tree."""
-    notes = ["trial run (--trial)"] if env.get("trial") else []
+    notes = [TRIAL] if env.get("trial") else []
     if tree := tree_note(env.get("git") or {}):
         notes.append(tree)
     return "; ".join(notes) or None

@@ -15,6 +15,7 @@ from colocated_grpo.analysis import tables
 from colocated_grpo.bench.study import learning
 from colocated_grpo.bench.study.definition import (
     FLAG,
+    TRIAL,
     baselines,
     bench_command,
     case_command,
@@ -81,15 +82,10 @@ def rows(out: Path, study: dict) -> tuple[list[dict], list[dict]]:
 
 
 def tables_of(out: Path, study: dict) -> tuple[list[dict], list[dict], list[dict]]:
-    """rows()' two tables, and one row per run of each case (RUN_COLUMNS)."""
+    """rows()' two tables, and one row per run of each case (run_row)."""
     against = baselines(study)
     table, versus, each = [], [], []
-    trials, loads = set(), {}
-    for env in environments(out):
-        for key, found in (env.get("runs") or {}).items():
-            loads[key] = found.get("load_average")
-            if env.get("trial"):
-                trials.add(key)
+    runs_recorded = {key: (env, found) for env in environments(out) for key, found in (env.get("runs") or {}).items()}
     for model in study["models"]:
         repeats = {
             case: [repeat_row(d, study["warmup_steps"], k) for k, d in repeat_dirs(out / "runs" / model / case).items()]
@@ -116,18 +112,23 @@ def tables_of(out: Path, study: dict) -> tuple[list[dict], list[dict], list[dict
                     )
             table.append({key: row.get(key) for key in COLUMNS})
             for r in runs:
-                key = step_key(model, case, r["repeat"])
-                code = [*(["trial run (--trial)"] if key in trials else []), *([r["code"]] if r.get("code") else [])]
-                each.append(
-                    {
-                        **dict(model=model, case=case, repeat=r["repeat"], status=r["status"]),
-                        **{k: r.get(k) for k in ("step_s", "tokens_per_s")},
-                        "speedup": pairs.get(r["repeat"]),
-                        "load_average": loads.get(key),
-                        "code": "; ".join(code) or None,
-                    }
-                )
+                recorded = runs_recorded.get(step_key(model, case, r["repeat"]))
+                each.append(run_row(model, case, r, pairs.get(r["repeat"]), *(recorded or ({}, {}))))
     return table, [{key: r.get(key) for key in SPEEDUP_COLUMNS} for r in versus], each
+
+
+def run_row(model: str, case: str, repeat: dict, speedup: float | None, env: dict, recorded: dict) -> dict:
+    """One run of a case (repeat_row) as results.md's Runs table shows it: its step time and tokens/s, its pair's
+    speed-up on step time (`speedup`), the host's load during it and, where its code was not its commit's, why
+    (`code`: a trial run, from the `env` of the `run` that made it; its own git record, from run.json)."""
+    code = [note for note in (TRIAL if env.get("trial") else None, repeat.get("code")) if note]
+    return {
+        **dict(model=model, case=case, repeat=repeat["repeat"], status=repeat["status"]),
+        **{key: repeat.get(key) for key in ("step_s", "tokens_per_s")},
+        "speedup": speedup,
+        "load_average": recorded.get("load_average"),
+        "code": "; ".join(code) or None,
+    }
 
 
 def _columns(found: dict, name: str, mean: str | None = None) -> dict:

@@ -81,10 +81,11 @@ def refuse_uncommitted(out: Path, repo: Path, env: dict) -> None:
         more = git.get("changed_count", 0) - len(git.get("changed", []))
         why = f"the checkout has uncommitted changes ({shown}{f' and {more} more' if more > 0 else ''})"
     else:
-        why = f"the checkout's state is unknown ({definition.tree_note(git)}): there is no git checkout to ask"
+        why = f"the checkout's state is unknown ({definition.tree_note(git)})"
     raise SystemExit(
-        f"{out}: a study kept in {RESULTS_DIR}/ runs from a committed tree, and {why}. Commit them and run again, or "
-        "run with --trial: the report then marks every run of it as a trial, not as a result of the commit"
+        f"{out}: a study kept in {RESULTS_DIR}/ runs from a committed tree, and {why}. Run it from a git checkout "
+        "with its changes committed, or with --trial: the report then marks every run of it as a trial, not as a "
+        "result of the commit"
     )
 
 
