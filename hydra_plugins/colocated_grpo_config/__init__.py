@@ -25,6 +25,7 @@ class Run:
     stop_on_nonfinite: bool = MISSING
     fixed_completion_length: bool = MISSING
     auto_memory: bool = MISSING
+    pack_micro_batches: bool = MISSING
 
 
 @dataclass

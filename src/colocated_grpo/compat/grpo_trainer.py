@@ -20,6 +20,7 @@ import trl
 from torch.profiler import record_function
 from trl import GRPOTrainer
 
+from colocated_grpo.compat import packing
 from colocated_grpo.compat import trl as trl_internals
 
 try:  # where TRL 1.16 keeps its engine wrapper; a TRL that moves it runs its own generation (the guard says so)
@@ -51,6 +52,10 @@ WRITTEN_FOR = {
         "trl.trainer.grpo_trainer:GRPOTrainer._compute_loss": "80295546bbdb",
         "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies": "ea73c3909275",
     },
+    "packed micro-batches": {
+        "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies": "ea73c3909275",
+        "trl.trainer.utils:add_fused_lm_head": "422d009f04b6",  # the (rows, length - 1) log-probs it returns
+    },
 }
 # What TRL's own code costs where a change falls back to it (one H200, docs/results.md).
 SPEED_LOST = {
@@ -60,6 +65,7 @@ SPEED_LOST = {
     "importance-sampling ratio from the training forward": (
         "a slower step: TRL's extra no-grad forward over each generation batch (0.69 s of a step at 256 completions)"
     ),
+    "packed micro-batches": "padded micro-batches: every sequence computed to the micro-batch's longest",
 }
 
 
@@ -358,12 +364,14 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         flat_logprobs: bool | None = None,
         sync_chunk_bytes: int | None = 2**30,
         one_forward: bool = True,
+        pack_micro_batches: bool = False,
         **kwargs,
     ):
         """TRL's arguments, and ours: `seed` for the engine's sampling (None: args.seed); `flat_logprobs`, the flat
         log-prob reader (None: where args.generation_kwargs asks vLLM for flat_logprobs); `sync_chunk_bytes`, the
         batched weight sync's chunk of gathered FSDP2 weights (None: TRL's own sync); `one_forward`, the
-        importance-sampling ratio from the training forward where training is on-policy."""
+        importance-sampling ratio from the training forward where training is on-policy; `pack_micro_batches`, each
+        micro-batch's forward over its sequences packed into one row, without padding (compat/packing.py)."""
         super().__init__(*args, **kwargs)
         self._reseed_generation(self.args.seed if seed is None else seed)
         if flat_logprobs is None:
@@ -373,6 +381,7 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         if sync_chunk_bytes is not None:
             self._batch_weight_sync(sync_chunk_bytes)
         self.one_forward = one_forward and self._one_forward_applies()
+        self.pack_micro_batches = pack_micro_batches and self._packing_applies()
         self._stats = _GenerationStats()
 
     def _reseed_generation(self, seed: int) -> None:
@@ -418,6 +427,17 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         )
         return True
 
+    def _packing_applies(self) -> bool:
+        if not self.model._can_set_attn_implementation():
+            log.info("micro-batches: padded (%s sets no attention function)", type(self.model).__name__)
+            return False
+        if why_not := upstream_mismatch("packed micro-batches", type(self)):
+            log.warning("%s", why_not)
+            return False
+        packing.register()
+        log.info("micro-batches: packed, without padding (%s)", packing.kernel())
+        return True
+
     def _generate_and_score_completions(self, *args, **kwargs):
         if not (self.one_forward and self.model.training):  # evaluation keeps TRL's path
             return super()._generate_and_score_completions(*args, **kwargs)
@@ -439,11 +459,37 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             self._pending = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self.pack_micro_batches:
+            result = self._packed_logps_and_entropies(*args, **kwargs)
+        else:
+            result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if (inputs := self._pending) is not None:  # the training forward of _compute_loss: its first call
             self._pending = None
             self._add_ratio(inputs, result[0].detach())
         return result
+
+    def _packed_logps_and_entropies(self, *args, **kwargs):
+        """TRL's _get_per_token_logps_and_entropies over packed micro-batches of `batch_size` rows, where the inputs
+        are text alone; TRL's own for images and MoE auxiliary losses."""
+        call = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).bind(self, *args, **kwargs)
+        call.apply_defaults()
+        a = dict(call.arguments)
+        shared = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
+        if a["compute_aux_loss"] or any(value is not None for name, value in a.items() if name not in shared):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        input_ids, attention_mask, keep = a["input_ids"], a["attention_mask"], a["logits_to_keep"]
+        rows = a["batch_size"] or input_ids.size(0)
+        config = self.accelerator.unwrap_model(a["model"]).config
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), rows):
+            batch = slice(start, start + rows)
+            with self.accelerator.autocast():
+                lp, ent = packing.per_token_logps(
+                    a["model"], config, input_ids[batch], attention_mask[batch], keep, a["compute_entropy"]
+                )
+            logps.append(lp)
+            entropies.append(ent)
+        return torch.cat(logps), torch.cat(entropies) if a["compute_entropy"] else None, None
 
     def _add_ratio(self, inputs: dict, logps) -> None:
         sampling = inputs["sampling_per_token_logps"]

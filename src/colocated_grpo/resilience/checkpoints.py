@@ -45,6 +45,7 @@ MAY_CHANGE = (
     "placement.fast_sync",  # the same weights reach the engine either way
     "placement.sync_chunk_gb",
     "placement.one_forward",  # the same loss either way
+    "run.pack_micro_batches",  # the same log-probs and loss either way
     # server placement picks free ports at every launch
     "trainer.vllm_server_host",
     "trainer.vllm_server_port",

@@ -43,6 +43,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
             flat_logprobs=bool((args.generation_kwargs or {}).get("flat_logprobs")),  # fast_outputs, or the user's
             sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
             one_forward=bool(placement.get("one_forward")),
+            pack_micro_batches=bool(cfg.run.pack_micro_batches),
         )
     except Exception as exc:
         if (explained := out_of_memory.explain_startup_error(exc, cfg)) is None:

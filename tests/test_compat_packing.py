@@ -1,0 +1,114 @@
+"""Packed micro-batches (compat/packing.py, run.pack_micro_batches): one packed forward gives the log-probs,
+entropies, loss and gradients of TRL's padded forward, on sequences of mixed lengths with left-padded prompts and
+right-padded completions, grouped-query attention included; a packing that lets sequences see each other does not."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from trl.trainer.utils import add_fused_lm_head
+
+from colocated_grpo.compat import packing
+
+PROMPT, COMPLETION = 7, 9
+PROMPT_LENGTHS, COMPLETION_LENGTHS = [7, 3, 5, 1], [9, 2, 6, 4]
+# fp32 on CPU: the two paths differ by the order of a few reductions
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention, as Qwen2.5's
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config)
+    add_fused_lm_head(model, temperature=0.9, outputs=("log_probs", "entropy"))
+    packing.register()
+    return model
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """A micro-batch as TRL builds it: prompts padded on the left, completions on the right."""
+    torch.manual_seed(1)
+    mask = torch.zeros(len(PROMPT_LENGTHS), PROMPT + COMPLETION, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(zip(PROMPT_LENGTHS, COMPLETION_LENGTHS, strict=True)):
+        mask[row, PROMPT - prompt : PROMPT + completion] = 1
+    input_ids = torch.randint(1, 300, mask.shape).masked_fill(mask == 0, 0)
+    return input_ids, mask
+
+
+def _padded(model, input_ids, mask):
+    """TRL 1.16's forward (GRPOTrainer._get_per_token_logps_and_entropies): the padded batch, its fused LM head."""
+    labels = input_ids.masked_fill(mask == 0, -100)
+    labels[:, :-COMPLETION] = -100
+    out = model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -COMPLETION:], out.entropy[:, -COMPLETION:]
+
+
+def _loss_and_grads(model, logps, completion_mask):
+    loss = -(logps * completion_mask).sum() / completion_mask.sum()
+    model.zero_grad()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _difference(a, b, completion_mask):
+    return ((a - b).abs() * completion_mask).max().item()
+
+
+def test_packed_forward_gives_the_padded_forwards_logps_entropies_loss_and_gradients(model, batch):
+    input_ids, mask = batch
+    completion_mask = mask[:, -COMPLETION:].float()
+    padded_logps, padded_entropy = _padded(model, input_ids, mask)
+    padded_loss, padded_grads = _loss_and_grads(model, padded_logps, completion_mask)
+    logps, entropy = packing.per_token_logps(model, model.config, input_ids, mask, COMPLETION, compute_entropy=True)
+    loss, grads = _loss_and_grads(model, logps, completion_mask)
+
+    assert logps.shape == padded_logps.shape == (len(PROMPT_LENGTHS), COMPLETION)
+    assert _difference(logps, padded_logps, completion_mask) < TOLERANCE
+    assert _difference(entropy, padded_entropy, completion_mask) < TOLERANCE
+    assert (logps * (1 - completion_mask)).abs().max() == 0, "0 where the padded batch held padding"
+    assert abs(loss - padded_loss) < TOLERANCE
+    assert max((a - b).abs().max().item() for a, b in zip(grads, padded_grads, strict=True)) < TOLERANCE
+    assert model.config._attn_implementation == "sdpa", "the model's own attention again after the packed forward"
+
+
+def test_a_packing_that_lets_sequences_see_each_other_is_caught(model, batch, monkeypatch):
+    """The negative control: the whole packed row attended as one sequence (positions still restarting)."""
+    input_ids, mask = batch
+    completion_mask = mask[:, -COMPLETION:].float()
+    padded_logps, _ = _padded(model, input_ids, mask)
+    attend = packing.varlen_attention
+
+    def as_one_sequence(module, query, key, value, attention_mask, **kwargs):
+        whole = torch.tensor([0, query.shape[2]], dtype=torch.int32)
+        return attend(module, query, key, value, attention_mask, **{**kwargs, "cu_seq_lens": whole})
+
+    monkeypatch.setattr(packing, "varlen_attention", as_one_sequence)
+    packing.register()
+    try:
+        with torch.no_grad():
+            mixed, _ = packing.per_token_logps(model, model.config, input_ids, mask, COMPLETION, compute_entropy=False)
+    finally:
+        monkeypatch.undo()
+        packing.register()
+    assert _difference(mixed, padded_logps.detach(), completion_mask) > 100 * TOLERANCE
+
+
+def test_packing_keeps_each_sequences_positions_and_boundaries(batch):
+    input_ids, mask = batch
+    packed = packing.Packed.of(input_ids, mask)
+    lengths = [p + c for p, c in zip(PROMPT_LENGTHS, COMPLETION_LENGTHS, strict=True)]
+    assert packed.input_ids.shape == (1, sum(lengths))
+    assert packed.cu_seq_lens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert packed.position_ids[0].tolist() == [i for n in lengths for i in range(n)]
+    assert packed.max_length == max(lengths)
+    assert torch.equal(packed.input_ids[0], input_ids[mask.bool()])
