@@ -293,6 +293,25 @@ def test_a_step_that_reuses_a_generation_shows_no_rate_and_the_summary_keeps_the
     assert "  tokens/s per GPU 4" in lines and "  final reward 0.3" in lines
 
 
+def test_a_step_logs_the_median_and_p99_of_every_ranks_completion_lengths():
+    """Completions counted one by one (TokenCounter.count) keep their lengths; the step's completions/p50_length and
+    completions/p99_length are the nearest-rank percentiles over every rank's completions, beside TRL's mean, min, max
+    and share at the cap. A step that counted no completion one by one has neither."""
+    from colocated_grpo.telemetry.phases import TokenCounter
+
+    tokens = TokenCounter()
+    tokens.count([[1, 2], [1]], [[0] * 3, [0] * 5])
+    tokens.count([[1]], [[0] * 4])
+    assert tokens.lengths == [3, 5, 4]
+    assert tokens.reset() == (4, 12) and tokens.lengths == []
+    ranks = [list(range(100, 0, -2)), list(range(99, 0, -2))]  # every length from 1 to 100, half on each rank
+    m = step_metrics([RankReport(r, recorded_step(), [], 10, 30, lengths) for r, lengths in enumerate(ranks)])
+    assert (m["completions/p50_length"], m["completions/p99_length"]) == (50, 99)
+    one = step_metrics([RankReport(0, recorded_step(), [], 10, 30, [7, 256, 9])])
+    assert (one["completions/p50_length"], one["completions/p99_length"]) == (9, 256)
+    assert not [k for k in step_metrics([RankReport(0, recorded_step(), [], 10, 30)]) if k.startswith("completions/")]
+
+
 def test_empty_step_has_nan_not_crash():
     m = step_metrics([RankReport(0, StepPhases(0.0, 0.0), [], 0, 0)])
     assert m["timing_s/step"] == 0 and "perf/tokens_per_s" not in m

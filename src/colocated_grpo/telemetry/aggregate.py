@@ -25,6 +25,7 @@ class RankReport:
     samples: list[Sample] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    completion_lengths: list[int] = field(default_factory=list)  # each completion's tokens, where counted
 
     @cached_property
     def labelled(self) -> list[tuple[Sample, str]]:
@@ -70,6 +71,9 @@ def step_metrics(
         metrics["perf/tokens_per_s_per_train_gpu"] = metrics["perf/tokens_per_s"] / len(reports)
     if metrics["timing_s/generate"] > 0:
         metrics["perf/gen_tokens_per_s"] = completion / metrics["timing_s/generate"]
+    if lengths := sorted(n for r in reports for n in r.completion_lengths):  # beside TRL's completions/mean_length, …
+        metrics["completions/p50_length"] = float(percentile(lengths, 50))
+        metrics["completions/p99_length"] = float(percentile(lengths, 99))
     if n_params and peak_tflops_per_gpu and "perf/tokens_per_s" in metrics:
         # Training FLOPs only (forward + backward ≈ 6 · params · tokens); generation is not counted.
         flops = 6 * n_params * (prompt + completion)
@@ -80,6 +84,12 @@ def step_metrics(
     if gpus:
         metrics.update(_gpu_metrics(reports))
     return metrics
+
+
+def percentile(ordered: list, q: float):
+    """The nearest-rank `q`th percentile of a sorted, non-empty list: the smallest value that at least q % of them do
+    not exceed."""
+    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
 
 
 def _gpu_metrics(reports: list[RankReport]) -> dict[str, float]:

@@ -138,8 +138,10 @@ class TelemetryCallback(TrainerCallback):
         if phases is None:
             return
         samples = self.sampler.take(phases.start, phases.end) if self.sampler else []
+        lengths = self.tokens.lengths
         prompt, completion = self.tokens.reset()
-        report = aggregate.RankReport(self.trainer.accelerator.process_index, phases, samples, prompt, completion)
+        rank = self.trainer.accelerator.process_index
+        report = aggregate.RankReport(rank, phases, samples, prompt, completion, lengths)
         reports = gather_object([report])  # every rank's, in rank order; [report] on one process
         if not state.is_world_process_zero:
             return

@@ -94,12 +94,22 @@ class PhaseTracker:
 
 
 class TokenCounter:
-    """Prompt and completion tokens generated since the last reset (one step's)."""
+    """Prompt and completion tokens generated since the last reset (one step's), and each completion's length where
+    they are counted sequence by sequence (`count`)."""
 
     def __init__(self):
         self.prompt = self.completion = 0
+        self.lengths: list[int] = []
+
+    def count(self, prompt_ids, completion_ids) -> None:
+        """One generation's prompts and completions, as token ids per sequence."""
+        lengths = [len(ids) for ids in completion_ids]
+        self.prompt += sum(len(ids) for ids in prompt_ids)
+        self.completion += sum(lengths)
+        self.lengths += lengths
 
     def reset(self) -> tuple[int, int]:
         counts = (self.prompt, self.completion)
         self.prompt = self.completion = 0
+        self.lengths = []
         return counts
