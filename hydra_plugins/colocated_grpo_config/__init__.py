@@ -24,6 +24,7 @@ class Run:
     resume: str = MISSING  # one of checkpoints.RESUME_MODES, checked by config.validate
     stop_on_nonfinite: bool = MISSING
     fixed_completion_length: bool = MISSING
+    length_profile: str | None = MISSING  # one of training.lengths.PROFILES, checked by config.validate
     auto_memory: bool = MISSING
     pack_micro_batches: bool = MISSING
 

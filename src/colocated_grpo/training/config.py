@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colocated_grpo.compat.trl import generation_batch_size
 from colocated_grpo.resilience.checkpoints import RESUME_MODES
-from colocated_grpo.training import data, field_types, models, rewards
+from colocated_grpo.training import data, field_types, lengths, models, rewards
 from colocated_grpo.training.models import SHAPES
 
 log = logging.getLogger(__name__)
@@ -214,6 +214,28 @@ def _trainer_problems(cfg: DictConfig, world: int) -> list[str]:
             "the dtype"
         )
     problems += length_problems(cfg)
+    problems += length_profile_problems(cfg)
+    return problems
+
+
+def length_profile_problems(cfg: DictConfig) -> list[str]:
+    """run.length_profile: a known profile, for vLLM's request, where completions are not all run to the cap."""
+    name = cfg.run.length_profile
+    if name is None:
+        return []
+    if name not in lengths.PROFILES:
+        return [f"run.length_profile={name!r} is not a length profile: one of {', '.join(lengths.PROFILES)}, or null"]
+    problems = []
+    if cfg.run.fixed_completion_length:
+        problems.append(
+            f"run.length_profile={name} and run.fixed_completion_length=true both set the completions' lengths; "
+            "set run.fixed_completion_length=false (every completion to the cap) or run.length_profile=null"
+        )
+    if not trainer_value(cfg.trainer, "use_vllm"):
+        problems.append(
+            f"run.length_profile={name} is a request to vLLM; with trainer.use_vllm=false (placement=none) there is "
+            "no engine to take it"
+        )
     return problems
 
 
@@ -433,6 +455,8 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
     kwargs.setdefault("model_init_kwargs", {}).setdefault("dtype", cfg.model.get("dtype", "auto"))
     # Our generation settings go under the user's own trainer.generation_kwargs, which win.
     ours = fixed_length_kwargs(kwargs) if cfg.run.fixed_completion_length else {}
+    if profile := length_profile(cfg):
+        ours.update(profile.generation_kwargs())
     users = kwargs.get("generation_kwargs") or {}
     if stops := _stop_strings(users):
         users["stop"] = stops
@@ -472,6 +496,16 @@ def _stop_strings(generation_kwargs: dict) -> list[str]:
             log.info("trainer.generation_kwargs.stop: %r read as %r", text, new)
         decoded.append(new)
     return decoded
+
+
+def length_profile(cfg: DictConfig) -> lengths.LengthProfile | None:
+    """The profile run.length_profile names, for this config's model, cap and temperature; None without one."""
+    if cfg.run.length_profile is None:
+        return None
+    path = models.resolve(cfg.model)  # a model built here exists from now on, its config.json too
+    cap, temperature = (trainer_value(cfg.trainer, key) for key in ("max_completion_length", "temperature"))
+    vocab = models.architecture(cfg.model, network=True).vocab_size
+    return lengths.resolve(cfg.run.length_profile, int(cap), float(temperature), path, int(vocab))
 
 
 def fixed_length_kwargs(trainer: dict) -> dict:
