@@ -248,7 +248,7 @@ TLDR_ON_TINY = (
 
 @pytest.fixture(scope="module")
 def tldr_file(tmp_path_factory) -> Path:
-    rows = [{"prompt": f"{POST * (1 + i % 3)} ({i})\nTL;DR:", "completion": " lend it less"} for i in range(12)]
+    rows = [{"prompt": f"{POST * (1 + i % 3)} ({i}) 请总结\nTL;DR:", "completion": " lend it less"} for i in range(12)]
     return write_jsonl(tmp_path_factory.mktemp("tldr") / "train.jsonl", rows)
 
 
@@ -266,9 +266,10 @@ def test_tldr_experiment_shape_trains_on_the_tiny_model_with_truncated_prompts(t
     assert [m["train/global_step"] for m in metrics] == [1, 2]
     assert all(m["rewards/length_chars/mean"] <= 0 for m in metrics)
     sent = [p for r in run.rollouts() for p in r["prompts"]]
-    assert sent and all(p.endswith("\nTL;DR:") and not p.startswith("<|im_start|>") for p in sent), (
+    assert sent and all(p.endswith(" 请总结\nTL;DR:") and not p.startswith("<|im_start|>") for p in sent), (
         "plain text, end kept"
     )
+    assert "请总结" in (run.dir / "rollouts.jsonl").read_text(encoding="utf-8"), "UTF-8 text: the prompt greps"
 
 
 def test_overlong_prompts_fail_before_the_engine_loads_naming_the_keys(train, tldr_file):

@@ -1,3 +1,4 @@
+import json
 import traceback
 
 import pytest
@@ -125,3 +126,37 @@ def test_example_reward_module_registers_checked_rewards(monkeypatch):
     assert rewards.required_columns("answer_first") == ["answer"]
     assert rewards.problems({"mentions": 1.0}, {"mentions": {"word": "so"}}) == []
     assert "its parameters: ['word']" in rewards.problems({"mentions": 1.0}, {"mentions": {"wrd": "so"}})[0]
+
+
+def test_weighted_total_sums_as_trl_leaving_out_scores_that_do_not_apply():
+    scores = [[1.0, None, None, 0.0], [0.5, 0.5, None, float("nan")]]
+    assert rewards.weighted_total(scores, [2.0, 0.1]) == [2.05, pytest.approx(0.05), None, 0.0]
+
+
+def test_rollouts_hold_every_rewards_scores_and_their_weighted_total_as_readable_text(tmp_path):
+    """The rewards TRL calls, in order, once per generation batch: the last one writes the batch's line, with each
+    function's scores and their weighted total per completion, as UTF-8 text (a prompt greps as it was written)."""
+    from types import SimpleNamespace
+
+    from colocated_grpo.training.build import recording_rollouts
+
+    funcs = [for_trl("boxed_format"), for_trl("exact_answer"), for_trl("length_chars", {"target": 13})]
+    recorded = recording_rollouts(funcs, [0.1, 1.0, 0.5], tmp_path)
+    assert [f.__name__ for f in recorded] == ["boxed_format", "exact_answer", "length_chars"]
+    prompt = "请计算 3 + 4 的值"
+    batch = {
+        "prompts": [prompt, prompt],
+        "completions": ["答案是 \\boxed{7}", "\\boxed{8}"],
+        "answer": ["7", "7"],
+        "trainer_state": SimpleNamespace(global_step=4),
+    }
+    assert [f(**batch) for f in recorded] == [[1.0, 1.0], [1.0, 0.0], [0.0, -4.0]], "each function's own scores"
+
+    text = (tmp_path / "rollouts.jsonl").read_text(encoding="utf-8")
+    assert prompt in text and "\\u" not in text
+    (line,) = text.splitlines()
+    record = json.loads(line)
+    assert record["train/global_step"] == 5, "TRL scores a step before counting it"
+    assert record["prompts"] == [prompt, prompt] and record["completions"] == batch["completions"]
+    assert record["rewards"] == {"boxed_format": [1.0, 1.0], "exact_answer": [1.0, 0.0], "length_chars": [0.0, -4.0]}
+    assert record["reward"] == [pytest.approx(0.1 + 1.0), pytest.approx(0.1 - 0.5 * 4)]

@@ -5,6 +5,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from statistics import fmean
 
 import pytest
 import torch
@@ -48,6 +49,12 @@ def test_default_run_trains_three_steps_and_writes_run_files(default_run):
     rollouts = default_run.rollouts()
     assert len(rollouts) == 3 and all(len(r["completions"]) == 4 for r in rollouts)
     assert [r["train/global_step"] for r in rollouts] == [1, 2, 3], "the steps metrics.jsonl names them by"
+    # every reward function's scores and their weighted total per completion: TRL's own means of the step
+    for r, m in zip(rollouts, metrics, strict=True):
+        assert set(r["rewards"]) == {"exact_answer", "boxed_format", "length"}
+        for name, scores in r["rewards"].items():
+            assert fmean(scores) == pytest.approx(m[f"rewards/{name}/mean"], abs=1e-6), name
+        assert fmean(r["reward"]) == pytest.approx(m["reward"], abs=1e-6)
 
 
 def test_default_run_records_phase_timings_and_throughput(default_run):

@@ -23,7 +23,7 @@ SUMMARY = "summary.json"  # steady-state means of every metric, rewritten each s
 TRAINER_SUMMARY = "trainer_summary.json"  # the trainer's end-of-training totals
 GPU_SAMPLES = "gpu_samples.jsonl"  # every NVML sample of every GPU, with rank, step and phase
 PHASES = "phases.jsonl"  # every rank's phase intervals of every step
-ROLLOUTS = "rollouts.jsonl"  # rank 0's prompts, completions and rewards per step
+ROLLOUTS = "rollouts.jsonl"  # rank 0's prompts, completions, each reward's scores and their weighted total per step
 CHECKPOINT_PREFIX = "checkpoint-"  # checkpoint-<step>/: what a run resumes from
 # A server-placement run adds:
 PLACEMENT = "placement.json"  # which GPUs serve and train, and the ports
@@ -49,7 +49,8 @@ def _jsonable(value):
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes each, so a killed run keeps every line written."""
+    """Appends one JSON object per line and flushes each, so a killed run keeps every line written. UTF-8 text, not
+    `\\u` escapes: a prompt in any language reads (and greps) as written."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,7 +58,7 @@ class JsonlWriter:
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the writer's life, closed by close()
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}, ensure_ascii=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

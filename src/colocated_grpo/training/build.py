@@ -28,9 +28,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
     from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer
 
     model_path = models.resolve(cfg.model)
-    reward_funcs, _ = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
+    reward_funcs, weights = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
     if run_files.is_main_process():
-        reward_funcs[0] = _recording_rollouts(reward_funcs[0], run_dir)
+        reward_funcs = recording_rollouts(reward_funcs, weights, run_dir)
     args, placement = prepared.args, cfg.placement
     try:
         trainer = ColocatedGRPOTrainer(
@@ -73,22 +73,32 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
         trainer.add_callback(preemption.StopOnNonFinite())
 
 
-def _recording_rollouts(reward_fn, run_dir: Path):
-    """`reward_fn` that also appends each call's prompts and completions to rollouts.jsonl."""
+def recording_rollouts(reward_funcs: list, weights: list[float], run_dir: Path) -> list:
+    """`reward_funcs` that also append each step's prompts and completions to rollouts.jsonl, with every function's
+    scores and their weighted total per completion. TRL calls them in order, once per generation batch: the last one
+    writes the line."""
     writer = JsonlWriter(run_dir / run_files.ROLLOUTS)
+    scored: dict[str, list] = {}
 
-    @functools.wraps(reward_fn)
-    def reward(prompts, completions, **columns):
-        scores = reward_fn(prompts, completions, **columns)
-        state = columns.get("trainer_state")
-        # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
-        record = {STEP_KEY: state.global_step + 1 if state is not None else None}
-        record["prompts"] = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
-        record["completions"] = [rewards.completion_text(c) for c in completions]
-        writer.write({**record, reward_fn.__name__: scores})
-        return scores
+    def recording(reward_fn, last: bool):
+        @functools.wraps(reward_fn)
+        def reward(prompts, completions, **columns):
+            scores = scored[reward_fn.__name__] = reward_fn(prompts, completions, **columns)
+            if last:
+                state = columns.get("trainer_state")
+                # TRL computes rewards before it counts the step: these are the rollouts of step global_step + 1
+                record = {STEP_KEY: state.global_step + 1 if state is not None else None}
+                record["prompts"] = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+                record["completions"] = [rewards.completion_text(c) for c in completions]
+                record["rewards"] = dict(scored)
+                record["reward"] = rewards.weighted_total(list(scored.values()), weights)
+                writer.write(record)
+                scored.clear()
+            return scores
 
-    return reward
+        return reward
+
+    return [recording(fn, last=i == len(reward_funcs) - 1) for i, fn in enumerate(reward_funcs)]
 
 
 RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

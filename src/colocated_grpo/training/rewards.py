@@ -220,6 +220,16 @@ def _sample(texts: list[str], columns: dict, i: int) -> str:
     return f"sample {i}: completion={texts[i][:200]!r} columns={row}"
 
 
+def weighted_total(scores: list[list], weights: list[float]) -> list[float | None]:
+    """Each completion's reward as TRL sums it (its `reward` metric): the weighted sum of the scores of each reward
+    function (`scores`, one list per function), a None or NaN score left out; None where every score is."""
+    totals = []
+    for row in zip(*scores, strict=True):
+        given = [w * s for w, s in zip(weights, row, strict=True) if s is not None and not math.isnan(s)]
+        totals.append(sum(given) if given else None)
+    return totals
+
+
 def build(reward_cfg, check_finite: bool = True) -> tuple[list[RewardFn], list[float]]:
     """TRL reward functions and their weights from `reward.weights` (name -> weight) and `reward.params`."""
     load_modules(reward_cfg.get("modules"))
