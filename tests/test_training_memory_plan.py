@@ -76,9 +76,22 @@ def test_the_users_setting_and_auto_memory_off_choose_nothing(qwen_1_5b, monkeyp
     for overrides in (
         ["trainer.gradient_checkpointing=true"],
         ["trainer.gradient_checkpointing=false", "trainer.per_device_train_batch_size=1024"],
+        ["trainer.gradient_checkpointing=false", "run.auto_memory=false"],
         ["run.auto_memory=false"],
     ):
-        assert memory_plan.choose(_cfg(qwen_1_5b, *overrides), longest_prompt=40) == ({}, None), overrides
+        assert memory_plan.choose(_cfg(qwen_1_5b, *overrides), longest_prompt=40)[0] == {}, overrides
+    assert memory_plan.choose(_cfg(qwen_1_5b, "run.auto_memory=false"), longest_prompt=40) == ({}, None)
+
+
+@pytest.mark.parametrize("auto_memory", ["true", "false"])
+def test_the_users_setting_gets_a_start_line_saying_it_is_in_force(qwen_1_5b, monkeypatch, auto_memory):
+    _on_an_h200(monkeypatch)
+    for value, state in (("true", "on"), ("false", "off")):
+        cfg = _cfg(qwen_1_5b, f"trainer.gradient_checkpointing={value}", f"run.auto_memory={auto_memory}")
+        assert memory_plan.choose(cfg, longest_prompt=40)[1] == (
+            f"gradient checkpointing: {state} (given: trainer.gradient_checkpointing={value}; run.auto_memory "
+            "chooses only where it is unset)"
+        )
 
 
 def test_sharding_and_adapters_shrink_the_state(qwen_1_5b, monkeypatch):

@@ -40,8 +40,15 @@ class Need:
 
 def choose(cfg: DictConfig, longest_prompt: int | None) -> tuple[dict, str | None]:
     """The trainer values chosen for this run (GRPOConfig fields, applied where unset) and the start line that says
-    why; ({}, None) where nothing is chosen."""
-    if not cfg.run.get("auto_memory") or "gradient_checkpointing" in cfg.trainer:
+    why; nothing chosen, and a line that says so, for a `trainer.gradient_checkpointing` given; ({}, None) with
+    `run.auto_memory` off."""
+    if "gradient_checkpointing" in cfg.trainer:
+        given = bool(cfg.trainer.gradient_checkpointing)
+        return {}, (
+            f"gradient checkpointing: {'on' if given else 'off'} (given: trainer.gradient_checkpointing="
+            f"{str(given).lower()}; run.auto_memory chooses only where it is unset)"
+        )
+    if not cfg.run.get("auto_memory"):
         return {}, None
     keep = "gradient checkpointing: on (TRL's default)"
     if (path := models.local_config_json(cfg.model)) is None:
