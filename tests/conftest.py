@@ -213,9 +213,11 @@ def assert_weights_reach_the_engine(metrics: list[dict], off_from: int | None) -
 # command again compare with it instead): one process, and two ranks with TP 2. Both train a policy that moves every
 # step (each weight sync carries new weights), checkpoint at step 2 and log to W&B offline. The one-process run's
 # last step is the control of its sync: a run resumed from checkpoint-2 or -4 syncs its checkpoint's weights before
-# that, and samples as the uninterrupted run does.
+# that, and samples as the uninterrupted run does. It checkpoints activations as the user asked (TRL then calls the
+# deprecated names of transformers' checkpointing every step).
 MOVING_SYNC_OFF_FROM = 6
 MOVING = (
+    "trainer.gradient_checkpointing=true",
     "trainer.learning_rate=0.02",
     "trainer.max_steps=6",
     "trainer.save_steps=2",

@@ -133,6 +133,14 @@ def test_weight_sync_reaches_the_colocated_engine(moving_run):
     assert "weight sync: one_call" in moving_run.output
 
 
+def test_a_given_checkpointing_value_is_said_at_start_and_trl_s_deprecated_names_are_quiet(moving_run):
+    given = "gradient checkpointing: on (given: trainer.gradient_checkpointing=true; run.auto_memory chooses only where"
+    assert moving_run.output.count(given) == 1
+    args = torch.load(moving_run.dir / "checkpoint-6" / "training_args.bin", weights_only=False)
+    assert args.gradient_checkpointing is True
+    assert "FutureWarning" not in moving_run.output, "transformers' names TRL still calls"
+
+
 def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
     run = tp2_run
     metrics = run.metrics()

@@ -1,10 +1,12 @@
 """What we know of TRL's internals outside the trainer class (that is compat/grpo_trainer.py, which imports TRL):
-where the colocated engine lives, GRPOConfig's batch arithmetic, how TRL builds its colocated engine, and the
-flat log-prob reader that stands in for TRL's parser. Light to import: no TRL at module level."""
+where the colocated engine lives, GRPOConfig's batch arithmetic, how TRL builds its colocated engine, the
+flat log-prob reader that stands in for TRL's parser, and the deprecated transformers names it still calls. Light to
+import: no TRL at module level."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 # TRL's colocated engine: LLM(..., distributed_executor_backend="external_launcher", max_num_batched_tokens=4096,
 # logprobs_mode="processed_logprobs") in trl/generation/vllm_generation.py; the generation benchmark mirrors it.
@@ -13,6 +15,17 @@ COLOCATE_ENGINE_KWARGS = {
     "max_num_batched_tokens": 4096,
     "logprobs_mode": "processed_logprobs",
 }
+
+
+# transformers 5 renamed gradient checkpointing "activation checkpointing"; TRL 1.16 still calls the old names (its
+# GRPOConfig field, `is_gradient_checkpointing`, and `gradient_checkpointing_disable` / `_enable` around its no-grad
+# forwards and its generation), a FutureWarning for each in every run that checkpoints.
+DEPRECATED_CHECKPOINTING_NAMES = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
+
+
+def quiet_deprecated_checkpointing_names() -> None:
+    """No FutureWarning for the deprecated names TRL calls (nothing a user of TRL can change)."""
+    warnings.filterwarnings("ignore", message=DEPRECATED_CHECKPOINTING_NAMES, category=FutureWarning)
 
 
 def build_colocated_engines_with(**extra) -> None:
