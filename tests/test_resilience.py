@@ -222,6 +222,15 @@ def test_resumed_run_continues_the_same_wandb_run_without_repeating_steps(killed
     assert killed == list(range(1, len(killed) + 1)) and len(killed) <= k
     assert killed + resumed == list(range(1, STEPS + 1)), "every step once, in order, over the two segments"
     assert "exit" in record_types(segments[1])
+    # TRL's profiling rows, logged during a step, carry the step finished last (W&B fills the key in): in the resumed
+    # segment, the checkpoint's step until the first step trained there
+    finished, labels = k, []
+    for row in wandb_log.history(next(segments[1].glob("run-*.wandb"))):
+        if "train/loss" in row:
+            finished = row["train/global_step"]
+        elif any(key.startswith("profiling/") for key in row):
+            labels.append((row["train/global_step"], finished))
+    assert labels and all(label == step for label, step in labels), labels
 
 
 def test_no_secret_from_the_environment_is_written_anywhere(killed_then_resumed):

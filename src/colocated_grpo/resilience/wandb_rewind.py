@@ -101,11 +101,20 @@ def backfill(run, run_dir: Path, step: int) -> list[int]:
 
 def record_wandb_step_callback():
     """A trainer callback: on rank 0, note in each checkpoint the W&B segment and step at which it was saved (see
-    `rewind`). (Built here so that this module imports without transformers: a refused run never loads it.)"""
+    `rewind`), and start the segment's `train/global_step` at the trainer's step. (Built here so that this module
+    imports without transformers: a refused run never loads it.)"""
     import wandb
     from transformers import TrainerCallback
 
     class RecordWandbStep(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            # W&B labels a row without the step key (TRL's profiling rows, logged during a step) with the last value
+            # of the key logged in this process (transformers' define_metric step_sync): 0 before any, which a
+            # resumed segment's first rows would get. Joined to the next row (commit=False), it adds none.
+            run = wandb.run
+            if state.is_world_process_zero and run is not None and not getattr(run, "disabled", False):
+                run.log({STEP_KEY: state.global_step}, commit=False)
+
         def on_save(self, args, state, control, **kwargs):
             run = wandb.run
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
