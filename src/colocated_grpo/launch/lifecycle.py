@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,8 +71,7 @@ def main(cfg: DictConfig) -> None:
     nothing to save, stopped at once), 1 failed, printed once per launch (a traceback only for what no message of
     ours explains)."""
     os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")  # W&B's Weave advertisement
-    # transformers' FutureWarnings about the `gradient_checkpointing` names that TRL still reads
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
+    trl_internals.quiet_deprecated_checkpointing_names()  # transformers' FutureWarnings about names TRL still uses
     signals.stop_with_torchrun_agent()
     run_dir = Path(hydra_internals.output_dir()).resolve()
     try:

@@ -27,7 +27,6 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
     changes); a memory failure of vLLM's start-up is explained in terms of our config keys."""
     from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer
 
-    trl_internals.quiet_deprecated_checkpointing_names()
     model_path = models.resolve(cfg.model)
     reward_funcs, weights = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
     if run_files.is_main_process():
