@@ -1085,10 +1085,27 @@ def test_the_report_marks_every_line_of_a_run_on_code_that_is_not_its_commit(tmp
     study_report.report(out)
     md = (out / "results.md").read_text()
     assert md.count("at commit 50ca300 **† trial run (--trial)**:") == 1 and "uncommitted changes (" not in md
-    assert "| qwen2.5-1.5b-random | ours_256 | 1 | 4.004 | 20,309 | 2.58× | 0.50, 2.25, 1.75 |  |" in md
-    assert (
-        "| qwen2.5-1.5b-random | plain_256 † | 2 | 8.500 | 9,597 |  | 0.50, 2.25, 1.75 | † trial run (--trial) |" in md
-    )
-    assert "| qwen2.5-1.5b-random | plain_256 † | 1 | 10.342 | 7,890 |  | not recorded |  |" in md
+    capped, row = "256, –, – | 99.8%", "| qwen2.5-1.5b-random |"  # every completion to the cap; no percentiles then
+    assert f"{row} ours_256 | 1 | 4.004 | 20,309 | 256, –, – | 99.9% | 2.58× | 0.50, 2.25, 1.75 |  |" in md
+    assert f"{row} plain_256 † | 2 | 8.500 | 9,597 | {capped} |  | 0.50, 2.25, 1.75 | † trial run (--trial) |" in md
+    assert f"{row} plain_256 † | 1 | 10.342 | 7,890 | {capped} |  | not recorded |  |" in md
     marked = {line.split(" | ")[1] for line in md.splitlines() if line.startswith("| qwen") and " † " in line}
     assert marked == {"plain_256 †", "ours_256"}, "the trial run's case, and the speed-up against it"
+
+
+def test_the_runs_table_gives_each_runs_completion_lengths(tmp_path):
+    """Each run's row: the steady-state means of its steps' mean, median and 99th-percentile completion length and of
+    the share cut at the cap, the percentiles shown as – for a run that logged none (speed_h200 ran before them)."""
+    out = _kept_copy("speed_h200", tmp_path)
+    metrics = out / "runs" / "qwen2.5-1.5b-random" / "ours_256" / "rep2" / "metrics.jsonl"
+    steady = []
+    for m in read_jsonl(metrics):  # steps 3 to 6 are steady: means 109, 89, 252 and 5 %
+        step = m[STEP_KEY]
+        lengths = {"mean_length": 100 + 2 * step, "p50_length": 80 + 2 * step, "p99_length": 250 + step % 2 * 4}
+        lengths = {f"completions/{name}": value for name, value in lengths.items()}
+        steady.append({**m, **lengths, "completions/clipped_ratio": 0.04 + 0.02 * (step % 2)})
+    metrics.write_text("".join(json.dumps(m) + "\n" for m in steady))
+    study_report.report(out)
+    md = (out / "results.md").read_text()
+    assert "| qwen2.5-1.5b-random | ours_256 † | 2 | 4.510 | 18,026 | 109, 89, 252 | 5.0% | 1.88× |" in md
+    assert "| qwen2.5-1.5b-random | ours_256 † | 1 | 4.004 | 20,309 | 256, –, – | 99.9% | 2.58× |" in md

@@ -1,8 +1,9 @@
 """A study's report: results.csv (one row per model and case: the mean over its repeats with their spread, speed-ups
 against the baseline case, repeat k paired with repeat k), speedups.csv (each case against each of its baselines: the
 median of the pairs with their spread, and the ratio of the means, on step time and on tokens/s), results.md (the
-environment, the conditions, the tables, each run with the host's load during it, the standalone generation rates and
-the exact commands; what ran on code that is not a commit's is marked on every line it reaches) and study.png."""
+environment, the conditions, the tables, each run with its completions' lengths and the host's load during it, the
+standalone generation rates and the exact commands; what ran on code that is not a commit's is marked on every line
+it reaches) and study.png."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ COLUMNS = (
     "sync_s_per_b_params",
     *("steps", "note"),
 )
+LENGTHS = ("mean_length", "p50_length", "p99_length", "clipped_ratio")
 # A repeat's steady-state means: its row's key ← the metric (metrics.jsonl), averaged over the repeats.
 MEANS = {
     "step_s": "timing_s/step",
@@ -62,6 +64,8 @@ MEANS = {
     "util_train": "gpu/util_train",
     "train_mfu": "perf/train_mfu",
     "peak_gb": "memory/peak_gb",
+    # completion lengths in tokens (TRL's mean and share cut at the cap, our percentiles): what a step generated
+    **{name: f"completions/{name}" for name in LENGTHS},
 }
 # speedups.csv: one row per model, case and baseline (a case may have several): tokens per step of each side, and the
 # case's speed-up on step time and on tokens/s: the ratio of the means over the repeats both finished, the median of
@@ -118,13 +122,14 @@ def tables_of(out: Path, study: dict) -> tuple[list[dict], list[dict], list[dict
 
 
 def run_row(model: str, case: str, repeat: dict, speedup: float | None, env: dict, recorded: dict) -> dict:
-    """One run of a case (repeat_row) as results.md's Runs table shows it: its step time and tokens/s, its pair's
-    speed-up on step time (`speedup`), the host's load during it and, where its code was not its commit's, why
+    """One run of a case (repeat_row) as results.md's Runs table shows it: its step time and tokens/s, its completions'
+    lengths, its pair's speed-up on step time (`speedup`), the host's load during it and, where its code was not its
+    commit's, why
     (`code`: a trial run, from the `env` of the `run` that made it; its own git record, from run.json)."""
     code = [note for note in (TRIAL if env.get("trial") else None, repeat.get("code")) if note]
     return {
         **dict(model=model, case=case, repeat=repeat["repeat"], status=repeat["status"]),
-        **{key: repeat.get(key) for key in ("step_s", "tokens_per_s")},
+        **{key: repeat.get(key) for key in ("step_s", "tokens_per_s", *LENGTHS)},
         "speedup": speedup,
         "load_average": recorded.get("load_average"),
         "code": "; ".join(code) or None,
@@ -398,19 +403,23 @@ def markdown(out: Path, study: dict, table, benches: list[dict], versus=None, ru
             "",
             "## Runs",
             "",
-            "Each run: its steady-state step time and tokens/s, its speed-up over the run of its baseline next to it,",
-            "the host's 1-minute load average at its start, at its highest and at its end (the run's own processes",
-            "included; recorded from the study's env.json where it has them), and the code it ran where that was not",
-            "its commit's.",
+            "Each run: its steady-state step time and tokens/s, its completions' lengths in tokens (the steady-state",
+            "means of each step's mean, median and 99th percentile, and of the share cut at the cap; – where not",
+            "logged), its speed-up over the run of its baseline next to it, the host's 1-minute load average at its",
+            "start, at its highest and at its end (the run's own processes included; recorded from the study's",
+            "env.json where it has them), and the code it ran where that was not its commit's.",
             "",
-            "| model | case | run | step s | tokens/s | speed-up of the pair | host load: start, peak, end | code |",
-            "|---|---|---:|---:|---:|---:|---|---|",
+            "| model | case | run | step s | tokens/s | tokens: mean, p50, p99 | at the cap | speed-up of the pair | "
+            "host load: start, peak, end | code |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
         ]
         for r in runs:
             cells = [
                 *(r["model"], case(r), str(r["repeat"])),
                 _num(r["step_s"], "{:.3f}") or r["status"],
                 _num(r["tokens_per_s"], "{:,.0f}"),
+                _lengths(r),
+                _num(r["clipped_ratio"], "{:.1%}"),
                 _num(r["speedup"], "{:.2f}×"),
                 _load(r["load_average"]),
                 f"{FLAG} {r['code']}" if r["code"] else "",
@@ -473,6 +482,12 @@ def _speedup_cells(r, name: str) -> list[str]:
     """The median of the pairs with the lowest and highest pair, and the ratio of the means, of a speed-up."""
     found = _num(r[f"{name}_median"], "{:.2f}×")
     return [found + _range(r[f"{name}_min"], r[f"{name}_max"]) if found else "", _num(r[name], "{:.2f}×")]
+
+
+def _lengths(run: dict) -> str:
+    """A run's mean, median and 99th-percentile completion length (– where not logged; nothing for no steps)."""
+    shown = [_num(run[key], "{:.0f}") for key in ("mean_length", "p50_length", "p99_length")]
+    return ", ".join(cell or "–" for cell in shown) if any(shown) else ""
 
 
 def _load(load: dict | None) -> str:
