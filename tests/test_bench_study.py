@@ -582,6 +582,17 @@ def test_only_runs_the_steps_it_names_and_refuses_a_pattern_that_names_none():
     ], "in the study's order"
     with pytest.raises(SystemExit, match=r"--only \*/fdsp: no step of this study matches; its steps: "):
         running.plan(spec, ["*/ddp", "*/fdsp"])
+    repeated = study.load(REPO / "sweeps" / "studies" / "speed_h200.yaml")  # 3 repeats, interleaved
+    second = running.plan(repeated, ["*/ours_256/rep2", "*/plain_256/rep2", "*/plain_ours_256"])
+    assert [(case, k) for _, _, case, k in second] == [
+        ("plain_ours_256", 1),
+        ("ours_256", 2),
+        ("plain_256", 2),
+        ("plain_ours_256", 2),
+        ("plain_ours_256", 3),
+    ], "a repeat alone, or every repeat of a case, in the study's order"
+    with pytest.raises(SystemExit, match=r"--only \*/ours_256/rep4: no step"):
+        running.plan(repeated, ["*/ours_256/rep4"])
 
 
 def test_the_report_shows_what_each_run_that_did_not_finish_printed(tmp_path):

@@ -8,10 +8,11 @@ baseline, the environment and the exact commands) and a figure. The definition i
     python -m colocated_grpo.bench.study report sweeps/results/h200_x2
 
 `run` skips repeats whose job already finished, so running it again after an interruption continues the study;
-`--only MODEL/CASE …` runs only the steps that match (shell patterns), e.g. the runs a study still lacks. A study
-kept with the code (`--out` under sweeps/results/) runs from a committed tree only: `--trial` runs it anyway, and its
-report marks every run of it. `plan` prints the steps `run` would take and their commands, without running any (with
-`--out`, those finished are kept).
+`--only MODEL/CASE …` runs only the steps that match (shell patterns; MODEL/CASE/rep<k> for one repeat), e.g. the runs
+a study still lacks, or one repeat of some cases at a sitting (sweeps/h200_plan.sh). A study kept with the code
+(`--out` under sweeps/results/) runs from a committed tree only: `--trial` runs it anyway, and its report marks every
+run of it. `plan` prints the steps `run` would take and their commands, without running any (with `--out`, those
+finished are kept).
 
     python -m colocated_grpo.bench.study plan sweeps/studies/h200_x2.yaml --out sweeps/results/h200_x2
 
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     run_parser.add_argument("definition", help="a study YAML, e.g. sweeps/studies/h200_x2.yaml")
     run_parser.add_argument("--out", required=True, help="the study directory (created; finished repeats are kept)")
     run_parser.add_argument(
-        "--only", nargs="+", metavar="MODEL/CASE", help="run only these steps (shell patterns, e.g. '*1.5b*/fsdp')"
+        "--only",
+        nargs="+",
+        metavar="MODEL/CASE",
+        help="run only these steps (shell patterns, e.g. '*1.5b*/fsdp'; '*/fsdp/rep2': its repeat 2 alone)",
     )
     run_parser.add_argument(
         "--trial",

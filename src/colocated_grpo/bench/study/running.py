@@ -91,8 +91,9 @@ def refuse_uncommitted(out: Path, repo: Path, env: dict) -> None:
 
 def plan(study: dict, only: list[str] | None = None) -> list[tuple[str, str, str, int | None]]:
     """The study's steps in the order they run: (model, "case", case, repeat) and (model, "bench", name, None).
-    `only`: shell patterns of MODEL/CASE (or MODEL/BENCH); a step matching none of them is left out, and a pattern
-    that matches no step is refused (a typo would otherwise run nothing, or everything)."""
+    `only`: shell patterns of MODEL/CASE (or MODEL/BENCH), or of MODEL/CASE/rep<k> for one repeat; a step matching
+    none of them is left out, and a pattern that matches no step is refused (a typo would otherwise run nothing, or
+    everything)."""
     steps = [
         step
         for m in study["models"]
@@ -103,10 +104,16 @@ def plan(study: dict, only: list[str] | None = None) -> list[tuple[str, str, str
     ]
     if not only:
         return steps
-    if unmatched := [p for p in only if not any(fnmatch.fnmatchcase(f"{m}/{name}", p) for m, _, name, _ in steps)]:
+
+    def matches(step, pattern: str) -> bool:
+        model, _, name, repeat = step
+        keys = (f"{model}/{name}", definition.step_key(model, name, repeat))
+        return any(fnmatch.fnmatchcase(key, pattern) for key in keys)
+
+    if unmatched := [p for p in only if not any(matches(s, p) for s in steps)]:
         names = sorted({f"{m}/{name}" for m, _, name, _ in steps})
         raise SystemExit(f"--only {' '.join(unmatched)}: no step of this study matches; its steps: {', '.join(names)}")
-    return [s for s in steps if any(fnmatch.fnmatchcase(f"{s[0]}/{s[2]}", p) for p in only)]
+    return [s for s in steps if any(matches(s, p) for p in only)]
 
 
 def show(study_file: str | Path, out: str | Path | None = None, only: list[str] | None = None) -> None:
