@@ -9,10 +9,10 @@ baseline, the environment and the exact commands) and a figure. The definition i
 
 `run` skips repeats whose job already finished, so running it again after an interruption continues the study;
 `--only MODEL/CASE …` runs only the steps that match (shell patterns; MODEL/CASE/rep<k> for one repeat), e.g. the runs
-a study still lacks, or one repeat of some cases at a sitting (sweeps/h200_plan.sh). A study kept with the code
-(`--out` under sweeps/results/) runs from a committed tree only: `--trial` runs it anyway, and its report marks every
-run of it. `plan` prints the steps `run` would take and their commands, without running any (with `--out`, those
-finished are kept).
+a study still lacks, or one repeat of some cases at a sitting (sweeps/studies/h200_plan.sh). A study kept with the
+code (`--out` under sweeps/results/) runs from a committed tree only: `--trial` runs it anyway, and its report marks
+every run of it. `plan` prints the steps `run` would take and their commands, without running any (with `--out`,
+those finished are kept).
 
     python -m colocated_grpo.bench.study plan sweeps/studies/h200_x2.yaml --out sweeps/results/h200_x2
 

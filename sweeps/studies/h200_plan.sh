@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The H200 runs still to make, as calls of a few minutes each (python -m colocated_grpo.bench.study run … --only …),
+# each stopped by `timeout` before ten minutes:
+#   - each switch of sweeps/studies/switches_h200.yaml against the defaults, every completion to the cap and at the
+#     realistic length profile: a switch and its defaults interleaved in one call, into a directory of their own;
+#   - sweeps/studies/speed_h200.yaml (ours against plain TRL, at natural stop and at the realistic profile): one
+#     repeat of one block of cases a call, in the study's order, all into one directory. Those calls continue one
+#     study: OUT/speed_h200 must be there for the next call (bring it back to a new machine).
+#
+#   bash sweeps/studies/h200_plan.sh                  list the calls
+#   bash sweeps/studies/h200_plan.sh --dry-run [OUT]  each call's command, its steps and theirs (the study runner's
+#                                                     `plan`): nothing runs; with OUT, steps finished there are kept
+#   bash sweeps/studies/h200_plan.sh CALL OUT         run one call into OUT under `timeout` (exit 124: it stopped it)
+#
+# PYTHON (python3), LIMIT_S (520: SIGTERM then, the running job saves and the study stops; SIGKILL 60 s later).
+set -euo pipefail
+set -f # the steps are patterns for the study runner, not for this shell
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+PYTHON=${PYTHON:-python3}
+LIMIT_S=${LIMIT_S:-520}
+
+# call                study          directory under OUT              steps (MODEL/CASE[/rep<k>] patterns)
+CALLS="
+v2_cap                switches_h200  switches_h200/v2_cap             */cap_256 */cap_v2_256
+packed_cap            switches_h200  switches_h200/packed_cap         */cap_256 */cap_packed_256
+compile_cap           switches_h200  switches_h200/compile_cap        */cap_256 */cap_compile_256
+liger_cap             switches_h200  switches_h200/liger_cap          */cap_256 */cap_liger_256
+v2_realistic          switches_h200  switches_h200/v2_realistic       */realistic_256 */realistic_v2_256
+packed_realistic      switches_h200  switches_h200/packed_realistic   */realistic_256 */realistic_packed_256
+compile_realistic     switches_h200  switches_h200/compile_realistic  */realistic_256 */realistic_compile_256
+liger_realistic       switches_h200  switches_h200/liger_realistic    */realistic_256 */realistic_liger_256"
+for r in rep1 rep2 rep3; do
+  CALLS+="
+speed_256_$r          speed_h200     speed_h200  */ours_256/$r */plain_256/$r */plain_ours_256/$r */ours_v2_256/$r
+speed_realistic_$r    speed_h200     speed_h200  */*_realistic_256/$r
+speed_128_$r          speed_h200     speed_h200  */*_128/$r"
+done
+
+# Call $1's study, directory and steps (`study`, `dir`, `steps`); false for no such call.
+find_call() {
+  read -r _ study dir steps < <(awk -v call="$1" '$1 == call' <<<"$CALLS")
+}
+
+names=$(awk 'NF { print $1 }' <<<"$CALLS")
+case "${1:-}" in
+  "")
+    echo "$names"
+    ;;
+  --dry-run)
+    out=${2:-OUT}
+    for name in $names; do
+      find_call "$name"
+      echo "== $name: timeout --kill-after=60 $LIMIT_S $PYTHON -m colocated_grpo.bench.study run" \
+        "sweeps/studies/$study.yaml --out $out/$dir --only $steps"
+      "$PYTHON" -m colocated_grpo.bench.study plan "$REPO/sweeps/studies/$study.yaml" --out "$out/$dir" --only $steps
+    done
+    ;;
+  *)
+    if [[ $# -ne 2 ]] || ! find_call "$1"; then
+      echo "usage: bash sweeps/studies/h200_plan.sh [--dry-run [OUT] | CALL OUT]; the calls:" $names >&2
+      exit 2
+    fi
+    exec timeout --kill-after=60 "$LIMIT_S" "$PYTHON" -m colocated_grpo.bench.study run \
+      "$REPO/sweeps/studies/$study.yaml" --out "$(realpath -m "$2")/$dir" --only $steps
+    ;;
+esac

@@ -1,0 +1,78 @@
+"""sweeps/studies/h200_plan.sh, the H200 calls still to make: its dry run plans every call through the study runner
+on CPU, each switch beside its defaults in one call at both length profiles, speed_h200 one repeat of a block a call,
+in the study's order; a call runs its study's steps under timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from colocated_grpo.bench.study import definition as study
+from colocated_grpo.bench.study import running
+from colocated_grpo.provenance import REPO
+
+PLAN = REPO / "sweeps" / "studies" / "h200_plan.sh"
+SWITCHES = ("v2", "packed", "compile", "liger")
+RUNS_A_CALL = 4  # 80 to 150 s a run of 6 steps on one H200 (the kept studies' job.json): a call stays within 520 s
+
+
+def _plan(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env}
+    return subprocess.run(["bash", str(PLAN), *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def _calls(out: str) -> dict[str, list[tuple[str, int]]]:
+    """Each call of a dry run's output → the (case, repeat) steps it plans, in order."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    for line in out.splitlines():
+        if m := re.match(r"== (\w+): timeout ", line):
+            steps = calls[m[1]] = []
+        elif m := re.match(r"\[\d+/\d+\] \S+ (\w+) rep(\d+): ", line):
+            steps.append((m[1], int(m[2])))
+    return calls
+
+
+def test_the_dry_run_plans_each_switch_beside_its_defaults_and_the_speed_study_in_its_order(tmp_path):
+    done = _plan("--dry-run", str(tmp_path / "out"), cwd=tmp_path, PYTHON=sys.executable)
+    assert done.returncode == 0, done.stderr
+    planned = _calls(done.stdout)
+    assert list(planned) == _plan(cwd=tmp_path).stdout.split(), "the calls it lists, in order"
+    assert max(len(steps) for steps in planned.values()) <= RUNS_A_CALL
+    calls = dict(planned)
+    switches = study.load(REPO / "sweeps" / "studies" / "switches_h200.yaml")
+    for switch in SWITCHES:
+        for profile in ("cap", "realistic"):
+            on, defaults = f"{profile}_{switch}_256", f"{profile}_256"
+            assert calls.pop(f"{switch}_{profile}") == [(defaults, 1), (on, 1), (defaults, 2), (on, 2)]
+            assert study.baselines(switches)[on] == [defaults]
+    assert {case for case in switches["cases"] if "_" in case.removesuffix("_256")} == {
+        f"{profile}_{switch}_256" for switch in SWITCHES for profile in ("cap", "realistic")
+    }, "every switch of the study has its calls"
+    speed = study.load(REPO / "sweeps" / "studies" / "speed_h200.yaml")
+    order = [(case, k) for _, _, case, k in running.plan(speed)]
+    assert [step for steps in calls.values() for step in steps] == order, "each run once, in the study's order"
+    assert all(len({k for _, k in steps}) == 1 for steps in calls.values()), "one repeat a call"
+    assert {"ours_realistic_256", "plain_realistic_256", "plain_ours_realistic_256"} <= {case for case, _ in order}
+    assert not (tmp_path / "out").exists(), "nothing ran"
+
+
+def test_a_call_runs_its_steps_into_out_under_timeout(tmp_path):
+    """Its study's `run` with its steps, into OUT (resolved where the call is made), stopped by timeout; a call it does
+    not have is refused with the list."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "timeout").write_text('#!/bin/sh\necho timeout "$@"\n')
+    (bin_dir / "timeout").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": "python3"}
+    done = _plan("speed_realistic_rep2", "rel/out", cwd=tmp_path, **env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [
+        *("timeout", "--kill-after=60", "520", "python3", "-m", "colocated_grpo.bench.study", "run"),
+        *(str(REPO / "sweeps" / "studies" / "speed_h200.yaml"), "--out", str(tmp_path / "rel" / "out" / "speed_h200")),
+        *("--only", "*/*_realistic_256/rep2"),
+    ]
+    refused = _plan("speed_realistic_rep4", "out", cwd=tmp_path, **env)
+    assert refused.returncode == 2 and "the calls: v2_cap packed_cap" in refused.stderr and not refused.stdout
