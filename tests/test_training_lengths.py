@@ -110,3 +110,7 @@ def test_a_run_with_a_profile_spreads_its_completions_as_the_profile_says(train)
     assert 15 <= mean <= 40 and at_cap <= 0.25, (mean, at_cap)
     summary = read_json(run.dir / "summary.json")  # steady state: the step after the warm-up one
     assert summary["completions/mean_length"] == pytest.approx(metrics[-1]["completions/mean_length"])
+    for m in metrics:  # our percentiles beside TRL's own lengths
+        assert 9 <= m["completions/p50_length"] <= m["completions/p99_length"] <= 64, m
+    profile = read_json(run.dir / "run.json")["length_profile"]
+    assert profile["min_tokens"] == 8 and profile["expected"]["clipped_ratio"] == pytest.approx(0.05, abs=0.01), profile

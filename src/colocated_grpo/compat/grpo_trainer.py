@@ -179,8 +179,7 @@ class TimedGRPOTrainer(GRPOTrainer):
         with self._phase("generate", labelled=True):
             result = super()._generate(*args, **kwargs)
         if self.token_counter is not None and self.counts_tokens:
-            self.token_counter.prompt += sum(len(ids) for ids in result[0])
-            self.token_counter.completion += sum(len(ids) for ids in result[1])
+            self.token_counter.count(result[0], result[1])
         return result
 
     def _calculate_rewards(self, *args, **kwargs):

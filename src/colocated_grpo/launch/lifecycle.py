@@ -226,7 +226,8 @@ def _start_record(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepar
     with _refusals_recorded(run_dir, main):  # W&B refused (e.g. a key its server rejects): run.json says so
         wandb_run, wandb_outcome = wandb_logging.start(cfg, run_dir, metadata, resume) if main else (None, None)
     # W&B's mode asked for and used (offline when its server did not answer); the prompts' lengths and what was cut
-    record.start(wandb_run, wandb=wandb_outcome, prompts=prepared.prompts)
+    profile = config.length_profile(cfg)  # run.length_profile: the lengths vLLM was asked for
+    record.start(wandb_run, wandb=wandb_outcome, prompts=prepared.prompts, length_profile=profile and profile.record())
     return record, wandb_run
 
 
