@@ -218,7 +218,8 @@ def test_study_bench_and_report_files(tiny_study):
     assert "| tiny | trl_engine | trl |" in md
     load = env["runs"]["tiny/plain/rep2"]["load_average"]
     shown = ", ".join(f"{x:.2f}" for x in (load["start"][0], load["peak_1min"], load["end"][0]))
-    run = rf"^\| tiny \| plain † \| 2 \| [\d.]+ \| [\d,]+ \|  \| {shown} \| † trial run \(--trial\)"
+    lengths = r"32, 32, 32 \| 100\.0%"  # every completion to the tiny study's cap of 32 tokens
+    run = rf"^\| tiny \| plain † \| 2 \| [\d.]+ \| [\d,]+ \| {lengths} \|  \| {shown} \| † trial run \(--trial\)"
     assert re.search(run, md, re.MULTILINE), md
     commands = re.findall(r"^python train\.py -m .*$", md, re.MULTILINE)
     assert len(commands) == 4 and all("telemetry.warmup_steps=2" in c for c in commands), "the exact commands"
