@@ -472,23 +472,22 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         are text alone; TRL's own for images and MoE auxiliary losses."""
         call = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).bind(self, *args, **kwargs)
         call.apply_defaults()
-        a = dict(call.arguments)
+        given = dict(call.arguments)
         shared = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
-        if a["compute_aux_loss"] or any(value is not None for name, value in a.items() if name not in shared):
+        if given["compute_aux_loss"] or any(value is not None for name, value in given.items() if name not in shared):
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        input_ids, attention_mask, keep = a["input_ids"], a["attention_mask"], a["logits_to_keep"]
-        rows = a["batch_size"] or input_ids.size(0)
-        config = self.accelerator.unwrap_model(a["model"]).config
+        model, input_ids, attention_mask = given["model"], given["input_ids"], given["attention_mask"]
+        keep, entropy = given["logits_to_keep"], given["compute_entropy"]
+        rows = given["batch_size"] or input_ids.size(0)
+        config = self.accelerator.unwrap_model(model).config
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), rows):
             batch = slice(start, start + rows)
             with self.accelerator.autocast():
-                lp, ent = packing.per_token_logps(
-                    a["model"], config, input_ids[batch], attention_mask[batch], keep, a["compute_entropy"]
-                )
+                lp, ent = packing.per_token_logps(model, config, input_ids[batch], attention_mask[batch], keep, entropy)
             logps.append(lp)
             entropies.append(ent)
-        return torch.cat(logps), torch.cat(entropies) if a["compute_entropy"] else None, None
+        return torch.cat(logps), torch.cat(entropies) if entropy else None, None
 
     def _add_ratio(self, inputs: dict, logps) -> None:
         sampling = inputs["sampling_per_token_logps"]
