@@ -124,8 +124,7 @@ def tables_of(out: Path, study: dict) -> tuple[list[dict], list[dict], list[dict
 def run_row(model: str, case: str, repeat: dict, speedup: float | None, env: dict, recorded: dict) -> dict:
     """One run of a case (repeat_row) as results.md's Runs table shows it: its step time and tokens/s, its completions'
     lengths, its pair's speed-up on step time (`speedup`), the host's load during it and, where its code was not its
-    commit's, why
-    (`code`: a trial run, from the `env` of the `run` that made it; its own git record, from run.json)."""
+    commit's, why (`code`: a trial run, from the `env` of the `run` that made it; its own git record, from run.json)."""
     code = [note for note in (TRIAL if env.get("trial") else None, repeat.get("code")) if note]
     return {
         **dict(model=model, case=case, repeat=repeat["repeat"], status=repeat["status"]),
