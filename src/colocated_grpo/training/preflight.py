@@ -21,6 +21,7 @@ class Prepared:
     args: object  # trl.GRPOConfig
     dataset: object  # datasets.Dataset
     prompts: dict | None  # prompt_lengths.PromptReport as a dict, for run.json
+    memory: dict | None = None  # the memory plan's estimate, for run.json (memory_plan.Plan.record)
 
 
 def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
@@ -28,6 +29,7 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
     needs = rewards.columns_needed(cfg.reward.weights)
     dataset = report = None
     derived: dict = {}
+    plan = None
     try:
         dataset = data.build(cfg.data, needs)
     except data.DataError as err:
@@ -36,10 +38,10 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
         dataset, report, found = _fit_prompts(cfg, dataset, derived)
         problems += found
         if not found:
-            chosen, line = memory_plan.choose(cfg, report.longest_tokens if report else None)
-            derived.update(chosen)
-            if line:
-                log.info("%s", line)
+            plan = memory_plan.choose(cfg, report.longest_tokens if report else None)
+            derived.update(plan.chosen)
+            if plan.line:
+                log.info("%s", plan.line)
     try:
         args = config.grpo_config(cfg, output_dir=str(run_dir), report_to=report_to, derived=derived)
     except config.ConfigError as err:
@@ -51,7 +53,7 @@ def prepare(cfg: DictConfig, run_dir: Path, report_to: list[str]) -> Prepared:
     if problems:
         raise config.ConfigError(problems)
     prompts = {**dataclasses.asdict(report), **({"derived": derived} if derived else {})} if report else None
-    return Prepared(args, dataset, prompts)
+    return Prepared(args, dataset, prompts, plan and plan.record)
 
 
 def _fit_prompts(cfg: DictConfig, dataset, derived: dict):
