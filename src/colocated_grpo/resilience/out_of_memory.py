@@ -25,17 +25,20 @@ class TrainingMemoryError(RuntimeError):
     """Out of GPU memory during training; the message names the settings that leave more room."""
 
 
-def explain(exc: BaseException, cfg, step: int | None) -> TrainingMemoryError | None:
+def explain(exc: BaseException, cfg, step: int | None, checkpointing: bool | None = None) -> TrainingMemoryError | None:
     """A TrainingMemoryError for a CUDA out-of-memory error anywhere in `exc`'s chain; None for any other error.
-    `step` is the step it happened in (None before the first). The caller raises it `from exc`."""
+    `step` is the step it happened in (None before the first); `checkpointing`, the gradient checkpointing in force
+    (the trainer's, which run.auto_memory may have chosen; None: unknown). The caller raises it `from exc`."""
     oom = vllm_internals.first_matching(exc, (vllm_internals.CUDA_OOM,))
     if oom is None:
         return None
     where, engine_side = _where(oom)
     at = f" in step {step}" if step else ""
+    if checkpointing is None and "gradient_checkpointing" in cfg.trainer:
+        checkpointing = bool(cfg.trainer.gradient_checkpointing)
     return TrainingMemoryError(
-        f"out of GPU memory {where}{at}{_numbers(str(oom))}. {_settings(cfg)}; to leave more room "
-        f"{'for vLLM' if engine_side else 'for training'}: {'; '.join(_remedies(cfg, engine_side))}."
+        f"out of GPU memory {where}{at}{_numbers(str(oom))}. {_settings(cfg, checkpointing)}; to leave more room "
+        f"{'for vLLM' if engine_side else 'for training'}: {'; '.join(_remedies(cfg, engine_side, checkpointing))}."
     )
 
 
@@ -68,20 +71,31 @@ def _gib(value: str, unit: str) -> str:
     return f"{float(value) * UNITS[unit]:.2f}"
 
 
-def _settings(cfg) -> str:
+def _settings(cfg, checkpointing: bool | None) -> str:
     t = cfg.trainer
     shared = f", vLLM's share trainer.vllm_gpu_memory_utilization={t.get('vllm_gpu_memory_utilization')}"
     placement = cfg.placement.name + (shared if cfg.placement.name.startswith("colocate") else "")
     return (
         f"It ran with model={cfg.model.get('build') or cfg.model.name_or_path}, parallelism={cfg.parallelism.name}, "
         f"peft={cfg.peft.name}, placement={placement}, trainer.per_device_train_batch_size="
-        f"{t.per_device_train_batch_size}, trainer.gradient_checkpointing="
-        f"{t.get('gradient_checkpointing', 'as run.auto_memory chose (the start lines say)')}"
+        f"{t.per_device_train_batch_size}, {_checkpointing(cfg, checkpointing)}"
     )
 
 
-def _remedies(cfg, engine_side: bool) -> list[str]:
-    """The settings that free memory for the side that ran out, leaving out those the run already has."""
+def _checkpointing(cfg, checkpointing: bool | None) -> str:
+    """The gradient checkpointing in force, and what decided it."""
+    if checkpointing is None:
+        return "trainer.gradient_checkpointing as run.auto_memory chose (the start lines say)"
+    if "gradient_checkpointing" in cfg.trainer:
+        by = "given"
+    else:
+        by = "chosen by run.auto_memory" if cfg.run.get("auto_memory") else "TRL's default"
+    return f"gradient checkpointing {'on' if checkpointing else 'off'} ({by})"
+
+
+def _remedies(cfg, engine_side: bool, checkpointing: bool | None = None) -> list[str]:
+    """The settings that free memory for the side that ran out, leaving out those the run already has; first, where
+    it was off, gradient checkpointing, which a resume of this run accepts."""
     t, placement = cfg.trainer, cfg.placement.name
     if engine_side:  # vLLM's reservation is full or its transient tensors found no room beside the policy
         return [
@@ -91,6 +105,8 @@ def _remedies(cfg, engine_side: bool) -> list[str]:
             "more GPUs (trainer.vllm_tensor_parallel_size splits the engine)",
         ]
     found = []
+    if checkpointing is False:  # the same gradients, so the run resumes with it from its last checkpoint
+        found.append("trainer.gradient_checkpointing=true (a resume of this run accepts it)")
     sharded = cfg.parallelism.name in ("fsdp", "zero3", "zero3_offload")
     one_rank = int(os.environ.get("WORLD_SIZE", 1)) == 1  # measured: 7B fits one H200 with ddp, not fsdp or zero3
     if one_rank and cfg.parallelism.name in ("fsdp", "zero3"):
@@ -104,8 +120,8 @@ def _remedies(cfg, engine_side: bool) -> list[str]:
         found.append("parallelism=zero3_offload (the optimizer state in CPU memory)")
     if cfg.peft.name == "none":
         found.append("peft=lora (only adapters train: no gradients or optimizer state for the base weights)")
-    if not t.get("gradient_checkpointing"):
-        found.append("trainer.gradient_checkpointing=true")
+    if checkpointing is None:  # unknown: the start line says whether it was on
+        found.append("trainer.gradient_checkpointing=true, where it was off")
     if placement == "colocate":
         found.append(f"trainer.vllm_gpu_memory_utilization lower than {t.get('vllm_gpu_memory_utilization')}")
     if int(t.per_device_train_batch_size) > 1:
