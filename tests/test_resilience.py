@@ -481,6 +481,11 @@ def test_a_gpu_out_of_memory_in_training_is_one_line_of_ours_naming_the_numbers_
         "It ran with model=tiny, parallelism=ddp, peft=none, placement=none, trainer.per_device_train_batch_size="
     ), lines
     assert "parallelism=zero3_offload (the optimizer state in CPU memory); peft=lora" in lines[0]
+    # the value in force, which run.auto_memory chose (off: the tiny model fits), and first the remedy a resume accepts
+    assert (
+        "gradient checkpointing off (chosen by run.auto_memory); to leave more room for training: "
+        "trainer.gradient_checkpointing=true (a resume of this run accepts it); "
+    ) in lines[0]
     assert "colocate_sleep" not in lines[0], "nothing about an engine this run does not have"
     record = json.loads((run.dir / "run.json").read_text())
     assert record["status"] == "failed" and record["error"] == lines[0]

@@ -34,7 +34,7 @@ from colocated_grpo.resilience import (
 )
 from colocated_grpo.telemetry import nvml
 from colocated_grpo.telemetry.phases import PHASES
-from colocated_grpo.training import config, preflight, prompt_lengths, rewards, wandb_logging
+from colocated_grpo.training import config, memory_plan, preflight, prompt_lengths, rewards, wandb_logging
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,9 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         raise
     except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is no Exception
         # a GPU out of memory once the trainer is built (building it has explain_startup_error)
-        oom = trainer is not None and out_of_memory.explain(exc, cfg, trainer.state.global_step + 1)
+        oom = trainer is not None and out_of_memory.explain(
+            exc, cfg, trainer.state.global_step + 1, checkpointing=trainer.args.gradient_checkpointing
+        )
         error = _explain_disk_full(exc, run_dir, rank0) or oom or exc
         if error is not exc:
             raise error from exc
@@ -179,7 +181,12 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
             _ending_part("W&B's finish", lambda: wandb_run.finish(exit_code=exit_code), ending_failed)
         if ending_failed and status == "finished":
             status, error = "failed", ending_failed[0]
-        _ending_part("writing run.json", lambda: record.end(status, error), ending_failed)
+
+        def end_record():  # with the memory plan's estimate beside the most the device held (rank 0 writes it)
+            peak = memory_plan.with_peak(prepared.memory, run_dir, resume.step) if rank0 else None
+            record.end(status, error, memory_plan=peak)
+
+        _ending_part("writing run.json", end_record, ending_failed)
         _ending_part("closing the process group", _close_process_group, ending_failed)
     if ending_failed and status != "interrupted":  # reached only when training itself ended without an error
         raise ending_failed[0]
@@ -227,7 +234,13 @@ def _start_record(cfg: DictConfig, run_dir: Path, main: bool, world: int, prepar
         wandb_run, wandb_outcome = wandb_logging.start(cfg, run_dir, metadata, resume) if main else (None, None)
     # W&B's mode asked for and used (offline when its server did not answer); the prompts' lengths and what was cut
     profile = config.length_profile(cfg)  # run.length_profile: the lengths vLLM was asked for
-    record.start(wandb_run, wandb=wandb_outcome, prompts=prepared.prompts, length_profile=profile and profile.record())
+    record.start(
+        wandb_run,
+        wandb=wandb_outcome,
+        prompts=prepared.prompts,
+        length_profile=profile and profile.record(),
+        memory_plan=prepared.memory,  # the estimate; the measured peak joins it at the end
+    )
     return record, wandb_run
 
 

@@ -86,8 +86,11 @@ class RunRecord:
         self.data.update(fields)
         self._save()
 
-    def end(self, status: str, error: BaseException | None = None) -> None:
+    def end(self, status: str, error: BaseException | None = None, **fields) -> None:
+        """The attempt has ended: its status and error, and what is known only at the end (fields that are None left
+        out: e.g. the memory plan beside the measured peak)."""
         self.attempt.update(status=status, ended=run_files.now())
+        self.data.update({key: value for key, value in fields.items() if value is not None})
         self.data.update(status=status, ended=self.attempt["ended"])
         if error is not None:
             self.data["error"] = self.attempt["error"] = f"{type(error).__name__}: {error}"
