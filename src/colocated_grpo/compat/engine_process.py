@@ -13,6 +13,9 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
+import threading
+import time
 
 import torch
 
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 # What differs from TRL's in-process engine: vLLM's engine core in its own process ("uni": the worker inside it, one
 # process per engine), our worker methods, and on GPUs vLLM's IPC weight transfer.
 ENGINE_BACKEND = "uni"
+_STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
 
 
 def engine_arguments() -> dict:
@@ -54,12 +58,18 @@ def engine_environment(cpu_eager: bool, start_timeout_s: int):
         os.environ.update(values)
         try:
             yield
+        except TimeoutError as exc:  # vLLM: "Timed out waiting for engine core processes to start"
+            raise EngineProcessDied(
+                f"the generation engine's process did not start within placement.engine_start_timeout_s="
+                f"{start_timeout_s} s ({exc}); raise it where the machine is slow to load the model"
+            ) from exc
         finally:
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+        _watch_engine_processes()
 
     return environment
 
@@ -106,12 +116,67 @@ def _send_through_ipc(llm, named_tensors) -> None:
     torch.cuda.ipc_collect()
 
 
+class EngineProcessDied(RuntimeError):
+    """The engine's process ended while the run needed it, or never started (explained in one line:
+    launch/lifecycle.EXPLAINED)."""
+
+
+# The engine's death as an error in the trainer's main thread, which may be waiting for its outputs with no timeout
+# (vLLM's SyncMPClient.get_output): the watching thread signals it, and the handler raises there.
+ENGINE_ENDED_SIGNAL = signal.SIGUSR2
+WATCH_INTERVAL_S = 1.0
+
+
+def _watch_engine_processes() -> None:
+    """From the main thread, once the engine started: name its processes (vLLM's engine core and its worker) and
+    raise EngineProcessDied in this thread when one of them ends before this process does."""
+    import psutil
+
+    started = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    _STARTED[:] = [(p.name(), p.pid) for p in started]
+    main = threading.main_thread().ident
+
+    def ended(signum, frame):
+        raise EngineProcessDied(_ended_during_the_run())
+
+    def watch():
+        while all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started):
+            time.sleep(WATCH_INTERVAL_S)
+        signal.pthread_kill(main, ENGINE_ENDED_SIGNAL)
+
+    if started:
+        signal.signal(ENGINE_ENDED_SIGNAL, ended)
+        threading.Thread(target=watch, name="engine-process-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _engine_alive():
+    """vLLM's EngineDeadError as the one line that names the engine's processes."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        yield
+    except EngineDeadError as exc:
+        raise EngineProcessDied(_ended_during_the_run()) from exc
+
+
+def _engine_processes() -> str:
+    return ", ".join(f"{name} pid {pid}" for name, pid in _STARTED) or "vLLM's engine core"
+
+
+def _ended_during_the_run() -> str:
+    return (
+        f"the generation engine's process ended during the run ({_engine_processes()}); the run stops here and its "
+        "checkpoints are kept: the same command in the same run directory (hydra.run.dir) resumes from the last one"
+    )
+
+
 class EngineProcessGeneration(ColocatedVLLMGeneration):
     """TRL's engine wrapper for an engine in its own process: its weight sync goes through the engine's worker
     methods, and its sampling draws from the trainer's generator as the in-process engine's does."""
 
     def sync_weights(self):
-        with _in_phase(self.phase_tracker, "sync_weights"):
+        with _in_phase(self.phase_tracker, "sync_weights"), _engine_alive():
             if self.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
                 self.llm.wake_up(tags=["weights"])
                 self._llm_weights_sleeping = False
@@ -124,10 +189,11 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
         # same stream. And it schedules once every request of the batch is in, as the in-process engine does: the
         # engine's process would otherwise start on the first request while the others are still on their way, and
         # its first steps would sample fewer sequences. One seed then samples the same tokens in either placement.
-        self.llm.collective_rpc("set_sampling_rng_state", args=(engine_worker.sampling_rng_state(),))
-        self._schedule_once_all_requests_are_in()
-        result = super().generate(*args, **kwargs)
-        engine_worker.set_sampling_rng_state(self.llm.collective_rpc("get_sampling_rng_state")[0])
+        with _engine_alive():
+            self.llm.collective_rpc("set_sampling_rng_state", args=(engine_worker.sampling_rng_state(),))
+            self._schedule_once_all_requests_are_in()
+            result = super().generate(*args, **kwargs)
+            engine_worker.set_sampling_rng_state(self.llm.collective_rpc("get_sampling_rng_state")[0])
         return result
 
     def _schedule_once_all_requests_are_in(self) -> None:
@@ -149,6 +215,10 @@ class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
 
     vllm_generation_class = EngineProcessGeneration
 
-    def _batch_weight_sync(self, chunk_bytes: int) -> None:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         how = "vLLM's IPC weight transfer" if torch.cuda.is_available() else "one safetensors blob per sync"
-        log.info("weight sync: into the engine's process, %s", how)
+        log.info("engine: in a process of its own (%s); weight sync: %s", _engine_processes(), how)
+
+    def _batch_weight_sync(self, chunk_bytes: int) -> None:
+        """Our own sync (EngineProcessGeneration.sync_weights), whatever the backend."""

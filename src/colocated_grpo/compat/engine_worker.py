@@ -19,6 +19,7 @@ def apply_patches() -> None:
     mode = os.environ.get(ENGINE_PROCESS)
     if mode is None:
         return
+    _end_with_parent()
     import torch
 
     if torch.cuda.is_available():
@@ -28,6 +29,21 @@ def apply_patches() -> None:
     vllm_internals.prepare_cpu()
     if mode == "eager":
         vllm_internals.run_eagerly()
+
+
+def _end_with_parent() -> None:
+    """SIGTERM when the parent process ends, however it ends (the trainer ends with os._exit, or is killed): vLLM's
+    engine core then shuts down and ends its worker, and nothing is left behind (as launch/processes.py binds the
+    processes it starts)."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent ended before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class PolicyWorker:
@@ -45,7 +61,8 @@ class PolicyWorker:
         """Per engine parameter: the sum and the sum of squares of its values, in float64 (tests compare them with the
         trainer's)."""
         model = self.model_runner.model
-        return {name: [p.double().sum().item(), p.double().square().sum().item()] for name, p in model.named_parameters()}
+        named = model.named_parameters()
+        return {name: [p.double().sum().item(), p.double().square().sum().item()] for name, p in named}
 
     def get_sampling_rng_state(self) -> bytes:
         return sampling_rng_state()

@@ -56,6 +56,7 @@ EXPLAINED = (
     "colocated_grpo.resilience.out_of_memory.TrainingMemoryError",
     "colocated_grpo.resilience.preemption.NonFiniteError",
     "colocated_grpo.launch.server_placement.ServerError",
+    "colocated_grpo.compat.engine_process.EngineProcessDied",
     f"{__name__}.NothingTrained",
 )
 
