@@ -54,8 +54,32 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
             "loaded into vLLM at once, e.g. 1.0)"
         )
     problems += backend_problems(cfg)
+    problems += engine_process_problems(cfg)
     if problems:
         raise ConfigError(problems)
+
+
+def engine_process_problems(cfg: DictConfig) -> list[str]:
+    """placement=colocate_process: one engine per rank in its own process, its weights sent whole by our sync."""
+    if not cfg.placement.get("engine_process"):
+        return []
+    problems = []
+    why = "placement=colocate_process runs one engine per rank, in a process of its own"
+    if (tp := int(cfg.trainer.get("vllm_tensor_parallel_size") or 1)) != 1:
+        problems.append(f"{why}: trainer.vllm_tensor_parallel_size={tp} needs placement=colocate")
+    if cfg.parallelism.name != "ddp":
+        problems.append(
+            f"{why}, its weights sent whole from each rank: parallelism={cfg.parallelism.name} shards them; use "
+            "parallelism=ddp or placement=colocate"
+        )
+    if (adapter := peft_name(cfg)) != "none":
+        problems.append(f"{why}: peft={adapter} is not supported there yet; use placement=colocate")
+    if cfg.placement.get("overlap") and cfg.trainer.get("vllm_enable_sleep_mode"):
+        problems.append(
+            "placement.overlap=true generates while training runs, so the engine cannot sleep: set "
+            "trainer.vllm_enable_sleep_mode=false"
+        )
+    return problems
 
 
 # What a mandatory value left as ??? needs, by key; other keys get a generic message.
