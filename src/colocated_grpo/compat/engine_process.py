@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
+import functools
+import itertools
 import logging
 import os
 import pickle
@@ -171,11 +174,46 @@ def _ended_during_the_run() -> str:
     )
 
 
+class InFlight:
+    """A generation running on a thread of the trainer's process while the main thread trains: its prompts, the
+    trainer step whose weights the engine holds, and its result (or error) once done."""
+
+    def __init__(self, generate, prompts, policy_step: int):
+        self.prompts, self.policy_step = prompts, policy_step
+        self.result = self.error = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(generate,), name="generation-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self, generate) -> None:
+        started = time.perf_counter()
+        try:
+            self.result = generate(self.prompts)
+        except BaseException as exc:  # raised in the main thread, which waits for it
+            self.error = exc
+        self.seconds = time.perf_counter() - started
+
+    def wait(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class EngineProcessGeneration(ColocatedVLLMGeneration):
     """TRL's engine wrapper for an engine in its own process: its weight sync goes through the engine's worker
-    methods, and its sampling draws from the trainer's generator as the in-process engine's does."""
+    methods, and its sampling draws from the trainer's generator as the in-process engine's does. With `overlap`,
+    the next generation batch is generated while this one trains (EngineProcessGRPOTrainer)."""
+
+    overlap = False
+    next_prompts = None  # overlap: () -> the next generation batch's prompt token ids, or None (set by the trainer)
+    policy_step = None  # () -> the trainer step whose weights the engine holds (set by the trainer)
+    in_flight: InFlight | None = None
+    returned: InFlight | None = None  # overlap: the generation the last generate() returned, if it ran ahead
 
     def sync_weights(self):
+        if self.in_flight is not None:  # the engine finishes the next batch on the weights it started with
+            self.in_flight.thread.join()  # (TRL syncs inside its generate phase: the wait counts there)
         with _in_phase(self.phase_tracker, "sync_weights"), _engine_alive():
             if self.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
                 self.llm.wake_up(tags=["weights"])
@@ -183,7 +221,26 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
             send_weights(self.llm, self._iter_named_params())
             self.llm.reset_prefix_cache()  # vLLM's finish_weight_update leaves KV computed with the old weights
 
-    def generate(self, *args, **kwargs):
+    def generate(self, prompts, images, num_generations, profiler=None):
+        if not self.overlap or images is not None:
+            self.returned = None
+            return self._generate_in_step(prompts, images, num_generations, profiler)
+        ahead, self.in_flight = self.in_flight, None
+        if ahead is not None and ahead.prompts != prompts:
+            ahead.thread.join()  # another batch than the one asked for (a resume, a new epoch): not used
+            ahead = None
+        if ahead is None:
+            result = self._generate_in_step(prompts, images, num_generations, profiler)
+        else:
+            with _engine_alive():
+                result = ahead.wait()
+        self.returned = ahead
+        if (upcoming := self.next_prompts()) is not None:
+            generate_ahead = functools.partial(self._generate_requests, num_generations=num_generations)
+            self.in_flight = InFlight(generate_ahead, upcoming, self.policy_step())
+        return result
+
+    def _generate_in_step(self, prompts, images, num_generations, profiler):
         # The in-process engine samples from the trainer's own generator, which the trainer also draws from between
         # generations (TRL shuffles each generation batch): handed over and back, the engine's process continues the
         # same stream. And it schedules once every request of the batch is in, as the in-process engine does: the
@@ -191,10 +248,13 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
         # its first steps would sample fewer sequences. One seed then samples the same tokens in either placement.
         with _engine_alive():
             self.llm.collective_rpc("set_sampling_rng_state", args=(engine_worker.sampling_rng_state(),))
-            self._schedule_once_all_requests_are_in()
-            result = super().generate(*args, **kwargs)
+            result = self._generate_requests(prompts, images, num_generations, profiler)
             engine_worker.set_sampling_rng_state(self.llm.collective_rpc("get_sampling_rng_state")[0])
         return result
+
+    def _generate_requests(self, prompts, images=None, num_generations=1, profiler=None):
+        self._schedule_once_all_requests_are_in()
+        return super().generate(prompts, images, num_generations, profiler)
 
     def _schedule_once_all_requests_are_in(self) -> None:
         """Pause the engine's scheduling (vLLM's sleep level 0: requests queue) until LLM.generate, its requests all
@@ -211,14 +271,76 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
 
 
 class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
-    """ColocatedGRPOTrainer with each rank's engine in its own process (placement=colocate_process)."""
+    """ColocatedGRPOTrainer with each rank's engine in its own process (placement=colocate_process); with `overlap`,
+    the engine generates generation batch k + 1 while the trainer trains on batch k, with the weights of the sync
+    before batch k: one step off-policy, which TRL's importance-sampling correction covers (the ratio's denominator is
+    the engine's sampling log-probs of the policy that generated, its numerator the training forward's)."""
 
     vllm_generation_class = EngineProcessGeneration
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, overlap: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         how = "vLLM's IPC weight transfer" if torch.cuda.is_available() else "one safetensors blob per sync"
         log.info("engine: in a process of its own (%s); weight sync: %s", _engine_processes(), how)
+        self._ahead = None  # overlap: (the epoch's iterator, the batch read ahead of the trainer's loop)
+        self._said_regenerated = False
+        generation = self.vllm_generation
+        generation.policy_step = lambda: self.state.global_step
+        if overlap and (why_not := self._overlap_refused()):
+            log.warning("overlap: off, %s", why_not)
+        elif overlap:
+            generation.overlap, generation.next_prompts = True, self._next_prompt_ids
+            log.info("overlap: on (the next generation batch generated while this one trains, one step off-policy)")
+
+    def _overlap_refused(self) -> str | None:
+        args = self.args
+        if args.num_iterations != 1 or args.gradient_accumulation_steps != args.steps_per_generation:
+            return (
+                "it needs one generation batch per optimizer step (trainer.num_iterations=1 and "
+                "steps_per_generation equal to gradient_accumulation_steps)"
+            )
+        if self.rollout_func is not None or self.environment_factories is not None or self.tools:
+            return "a rollout function, environments or tools generate through their own calls"
+        return None
 
     def _batch_weight_sync(self, chunk_bytes: int) -> None:
         """Our own sync (EngineProcessGeneration.sync_weights), whatever the backend."""
+
+    # -------------------------------------------------------------------------------------------------- overlap
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The trainer loop's batches, and, with overlap, the next one read ahead: its prompts start generating while
+        this step trains. Read ahead, not skipped: the loop gets it next, and a resume reads it again."""
+        if not self.vllm_generation.overlap:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        held = []
+        if self._ahead is not None and self._ahead[0] is epoch_iterator:
+            held.append(self._ahead[1])
+        self._ahead = None
+        batches, num_items = super().get_batch_samples(itertools.chain(held, epoch_iterator), num_batches, device)
+        with contextlib.suppress(StopIteration):
+            self._ahead = (epoch_iterator, next(epoch_iterator))
+        return batches, num_items
+
+    def _next_prompt_ids(self):
+        """The prompt token ids of the generation batch read ahead, as TRL's _generate makes them; None where there
+        is none (the epoch's last)."""
+        if self._ahead is None or self.state.global_step + 2 > self.state.max_steps:  # the run's last batch is out
+            return None
+        prompts = [example["prompt"] for example in self._ahead[1]]
+        prompt_ids, images, _ = self._tokenize_prompts(copy.deepcopy(prompts))
+        return None if images is not None else prompt_ids
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)
+        generation = self.vllm_generation
+        if generation.overlap:
+            ahead = generation.returned
+            if ahead is None and self.state.global_step > 0 and not self._said_regenerated:
+                self._said_regenerated = True
+                log.info("overlap: the batch in flight at the checkpoint is generated again, with its weights")
+            lag = 0 if ahead is None else self.state.global_step - ahead.policy_step
+            self._metrics["train"]["overlap/policy_lag"].append(float(lag))
+            self._metrics["train"]["timing_s/generate_overlapped"].append(ahead.seconds if ahead else 0.0)
+            self.rollout_policy_step = self.state.global_step - lag
+        return result

@@ -47,6 +47,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
             sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
             one_forward=bool(placement.get("one_forward")),
             pack_micro_batches=bool(cfg.run.pack_micro_batches),
+            **({"overlap": bool(placement.overlap)} if placement.get("engine_process") else {}),
         )
     except Exception as exc:
         if (explained := out_of_memory.explain_startup_error(exc, cfg)) is None:
@@ -95,6 +96,10 @@ def recording_rollouts(reward_funcs: list, weights: list[float], run_dir: Path) 
                 record["completions"] = [rewards.completion_text(c) for c in completions]
                 record["rewards"] = dict(scored)
                 record["reward"] = rewards.weighted_total(list(scored.values()), weights)
+                # TRL passes its trainer's bound log_metric: placement.overlap's rollouts come from an earlier policy
+                trainer = getattr(columns.get("log_metric"), "__self__", None)
+                if (policy_step := getattr(trainer, "rollout_policy_step", None)) is not None:
+                    record["policy_step"] = policy_step
                 writer.write(record)
                 scored.clear()
             return scores
