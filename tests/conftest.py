@@ -366,3 +366,62 @@ def wait_for_file(proc: subprocess.Popen, directory: Path, pattern: str, timeout
     while not list(directory.glob(pattern)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
         time.sleep(0.5)
+
+
+class Job:
+    """One `train.py` process (python or torchrun) in its own session, writing to a log file."""
+
+    def __init__(self, run_dir: Path, model_cache: Path, *overrides: str, nproc: int | None = None, env=None):
+        self.dir = run_dir
+        self.log = run_dir.with_name(run_dir.name + f".{time.monotonic_ns()}.log")
+        args = [f"hydra.run.dir={run_dir}", *overrides]
+        self.cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
+        self.env = {**run_environment(model_cache), **(env or {})}
+        with open(self.log, "w") as out:
+            self.proc = start_own_session(self.cmd, run_dir.parent, self.env, stdout=out)
+
+    def steps(self, name: str = "metrics.jsonl") -> list[int]:
+        path = self.dir / name
+        return [r["train/global_step"] for r in read_jsonl(path)] if path.exists() else []
+
+    def wait_until(self, condition, timeout: float = 600) -> None:
+        end = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the run ended before the test could act:\n{self.output[-4000:]}"
+            assert time.monotonic() < end, f"timed out waiting:\n{self.output[-4000:]}"
+            time.sleep(0.02)
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float = 600) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            pytest.fail(f"ran past {timeout:.0f} s and was killed with its tree:\n{self.output[-4000:]}")
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def completions(run):
+    """Every completion of a run and its prompt, in order."""
+    return [c for r in run.rollouts() for c in r["completions"]], [p for r in run.rollouts() for p in r["prompts"]]
+
+
+def assert_same_rollouts_and_training(fast, plain):
+    """The same tokens, loss and sampled log-probs at every step. TRL's sampling metrics are functions of the engine's
+    sampled log-probs (beside the trainer's own, which depend only on the tokens): equal metrics mean equal sampled
+    log-probs, and equal importance-sampling ratios."""
+    from colocated_grpo.compat.grpo_trainer import IS_RATIO_METRICS
+
+    assert completions(fast) == completions(plain), "the same tokens, token for token"
+    steps = list(zip(fast.metrics(), plain.metrics(), strict=True))
+    assert len(steps) >= 2
+    for f, p in steps:
+        assert f["train/global_step"] == p["train/global_step"]
+        assert f["loss"] == p["loss"] and f["completions/mean_length"] == p["completions/mean_length"]
+        for key in IS_RATIO_METRICS:
+            assert f[key] == pytest.approx(p[key], abs=1e-6), key

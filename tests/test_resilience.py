@@ -19,13 +19,12 @@ from types import SimpleNamespace
 import psutil
 import pytest
 import torch
-from conftest import MOVING, TP2, kill_tree, run_bounded, run_environment, start_own_session
+from conftest import MOVING, TP2, Job, run_bounded
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from colocated_grpo.compat import wandb as wandb_log
-from colocated_grpo.launch.processes import TRAIN_SCRIPT, torchrun_command
 from colocated_grpo.provenance import REPO
 from colocated_grpo.resilience import (
     checkpoints,
@@ -39,44 +38,6 @@ from colocated_grpo.run_files import read_jsonl
 
 FAULTY = ("reward=length", "+reward.modules=[faulty_rewards]", "logger=none")
 SECRETS = {"WANDB_API_KEY": "0123456789abcdef0123456789abcdefsentinel", "HF_TOKEN": "hf_sentinelTokenNeverWritten42"}
-
-
-class Job:
-    """One `train.py` process (python or torchrun) in its own session, writing to a log file."""
-
-    def __init__(self, run_dir: Path, model_cache: Path, *overrides: str, nproc: int | None = None, env=None):
-        self.dir = run_dir
-        self.log = run_dir.with_name(run_dir.name + f".{time.monotonic_ns()}.log")
-        args = [f"hydra.run.dir={run_dir}", *overrides]
-        self.cmd = [sys.executable, str(TRAIN_SCRIPT), *args] if nproc is None else torchrun_command(nproc, args)
-        self.env = {**run_environment(model_cache), **(env or {})}
-        with open(self.log, "w") as out:
-            self.proc = start_own_session(self.cmd, run_dir.parent, self.env, stdout=out)
-
-    def steps(self, name: str = "metrics.jsonl") -> list[int]:
-        path = self.dir / name
-        return [r["train/global_step"] for r in read_jsonl(path)] if path.exists() else []
-
-    def wait_until(self, condition, timeout: float = 600) -> None:
-        end = time.monotonic() + timeout
-        while not condition():
-            assert self.proc.poll() is None, f"the run ended before the test could act:\n{self.output[-4000:]}"
-            assert time.monotonic() < end, f"timed out waiting:\n{self.output[-4000:]}"
-            time.sleep(0.02)
-
-    def signal_group(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def wait(self, timeout: float = 600) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(self.proc)
-            pytest.fail(f"ran past {timeout:.0f} s and was killed with its tree:\n{self.output[-4000:]}")
-
-    @property
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import MOVING, compose_train
-from test_resilience import Job
+from conftest import MOVING, Job, compose_train
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from colocated_grpo.resilience import checkpoints

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import assert_stops_with_its_parent, run_bounded, run_environment
-from test_resilience import FAULTY, Job
+from conftest import Job, assert_stops_with_its_parent, run_bounded, run_environment
+from test_resilience import FAULTY
 
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints, process_end, run_dir_guard

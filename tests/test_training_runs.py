@@ -13,12 +13,13 @@ from conftest import (
     MOVING,
     MOVING_SYNC_OFF_FROM,
     TP2,
+    assert_same_rollouts_and_training,
     assert_weights_reach_the_engine,
+    completions,
     run_bounded,
     start_own_session,
 )
 
-from colocated_grpo.compat.grpo_trainer import IS_RATIO_METRICS
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 
@@ -267,15 +268,11 @@ def test_none_placement_uses_transformers_generate(train):
     assert "vLLM" not in run.output
 
 
-def _completions(run):
-    return [c for r in run.rollouts() for c in r["completions"]], [p for r in run.rollouts() for p in r["prompts"]]
-
-
 def test_seed_changes_rollouts(two_seeds):
     """Same prompts in the same order for both seeds, so only the sampling RNG can make completions differ. (That the
     same seed reproduces them, process after process, is what every resume test compares: test_resilience.py.)"""
     first, other = two_seeds
-    (c0, p0), (c1, p1) = _completions(first), _completions(other)
+    (c0, p0), (c1, p1) = completions(first), completions(other)
     assert p0 == p1
     assert c0 != c1, "a different seed must give different rollouts"
     assert not any(k.startswith("timing_s/") for m in other.metrics() for k in m), "telemetry=off logs no timings"
@@ -293,22 +290,6 @@ def test_bad_config_fails_before_loading_anything_recorded_in_run_json_without_s
     written = [p for p in run.dir.rglob("*") if p.is_file()]
     assert any(p.parent.name == ".hydra" for p in written), "Hydra's own record is there, redacted"
     assert not [p for p in written if secret in p.read_text(errors="replace")], "no file holds the credential"
-
-
-# TRL's sampling metrics are functions of the engine's sampled log-probs (beside the trainer's own, which depend
-# only on the tokens): equal metrics mean equal sampled log-probs, and equal importance-sampling ratios.
-SAMPLING_LOGP_METRICS = IS_RATIO_METRICS
-
-
-def _assert_same_rollouts_and_training(fast, plain):
-    assert _completions(fast) == _completions(plain), "the same tokens, token for token"
-    steps = list(zip(fast.metrics(), plain.metrics(), strict=True))
-    assert len(steps) >= 2
-    for f, p in steps:
-        assert f["train/global_step"] == p["train/global_step"]
-        assert f["loss"] == p["loss"] and f["completions/mean_length"] == p["completions/mean_length"]
-        for key in SAMPLING_LOGP_METRICS:
-            assert f[key] == pytest.approx(p[key], abs=1e-6), key
 
 
 # TRL's own request, weight sync and old-log-prob forward: what placement.fast_outputs, placement.fast_sync and
@@ -329,7 +310,7 @@ def test_fast_outputs_and_sync_change_no_token_log_prob_or_loss(train, moving_ru
     assert "fast_outputs: false" in (plain.dir / "config.yaml").read_text()
     assert "weight sync: one_call" in fast.output and "weight sync: one_call" not in plain.output
     assert ONE_FORWARD in fast.output and ONE_FORWARD not in plain.output
-    _assert_same_rollouts_and_training(fast, plain)
+    assert_same_rollouts_and_training(fast, plain)
 
 
 def test_a_stop_string_ends_completions_with_the_fast_outputs_on(train):

@@ -57,12 +57,14 @@ class PolicyWorker:
 
         self.model_runner.model.load_weights(list(load(blob).items()))
 
-    def policy_weight_digest(self) -> dict[str, list[float]]:
-        """Per engine parameter: the sum and the sum of squares of its values, in float64 (tests compare them with the
-        trainer's)."""
-        model = self.model_runner.model
-        named = model.named_parameters()
-        return {name: [p.double().sum().item(), p.double().square().sum().item()] for name, p in named}
+    def policy_weight_digest(self) -> dict[str, list]:
+        """Per engine parameter: the sum and the sum of squares of its values, in float64, and its dtype (tests
+        compare them with the trainer's weights cast to it)."""
+        digest = {}
+        for name, p in self.model_runner.model.named_parameters():
+            values = p.double()
+            digest[name] = [values.sum().item(), values.square().sum().item(), str(p.dtype).removeprefix("torch.")]
+        return digest
 
     def get_sampling_rng_state(self) -> bytes:
         return sampling_rng_state()

