@@ -1,6 +1,7 @@
 """sweeps/studies/h200_plan.sh, the H200 calls still to make: its dry run plans every call through the study runner
-on CPU, each switch beside its defaults in one call at both length profiles, speed_h200 one repeat of a block a call,
-in the study's order; a call runs its study's steps under timeout."""
+on CPU, each switch beside the case it changes in one call at both length profiles (colocate_process beside colocate,
+overlap beside colocate_process), speed_h200 one repeat of a block a call, in the study's order, and the GPU test
+call; a call runs its study's steps, or `pytest -m gpu` on its test files, under timeout."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from colocated_grpo.bench.study import running
 from colocated_grpo.provenance import REPO
 
 PLAN = REPO / "sweeps" / "studies" / "h200_plan.sh"
-SWITCHES = ("v2", "packed", "compile", "liger")
+SWITCHES = ("v2", "packed", "compile", "liger", "process", "overlap")
+AGAINST = {"overlap": "process"}  # a switch compared with another switch's case, not with the defaults
+GPU_TESTS = {"engine_process_gpu": "tests/test_engine_process_gpu.py"}  # the GPU test calls and their test files
 RUNS_A_CALL = 4  # 80 to 150 s a run of 6 steps on one H200 (the kept studies' job.json): a call stays within 520 s
 
 
@@ -25,27 +28,34 @@ def _plan(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def _calls(out: str) -> dict[str, list[tuple[str, int]]]:
-    """Each call of a dry run's output → the (case, repeat) steps it plans, in order."""
-    calls: dict[str, list[tuple[str, int]]] = {}
+    """Each call of a dry run's output → the (case, repeat) steps it plans, in order (a GPU test call: its command)."""
+    calls: dict[str, list] = {}
     for line in out.splitlines():
-        if m := re.match(r"== (\w+): timeout ", line):
-            steps = calls[m[1]] = []
+        if m := re.match(r"== (\w+): timeout (.*)", line):
+            steps = calls[m[1]] = [m[2]] if " -m pytest " in line else []
         elif m := re.match(r"\[\d+/\d+\] \S+ (\w+) rep(\d+): ", line):
             steps.append((m[1], int(m[2])))
     return calls
 
 
-def test_the_dry_run_plans_each_switch_beside_its_defaults_and_the_speed_study_in_its_order(tmp_path):
+def test_the_dry_run_plans_each_switch_beside_what_it_changes_the_speed_study_in_its_order_and_the_gpu_tests(tmp_path):
     done = _plan("--dry-run", str(tmp_path / "out"), cwd=tmp_path, PYTHON=sys.executable)
     assert done.returncode == 0, done.stderr
     planned = _calls(done.stdout)
     assert list(planned) == _plan(cwd=tmp_path).stdout.split(), "the calls it lists, in order"
     assert max(len(steps) for steps in planned.values()) <= RUNS_A_CALL
     calls = dict(planned)
+    for call, test in GPU_TESTS.items():
+        assert calls.pop(call) == [
+            f"--kill-after=60 520 {sys.executable} -m pytest -p no:cacheprovider -m gpu {test} "
+            f"--junitxml {tmp_path / 'out'}/gpu_tests/engine_process/junit.xml"
+        ]
+    assert next(iter(planned)) == "engine_process_gpu", "the new placement's GPU path runs before it is measured"
     switches = study.load(REPO / "sweeps" / "studies" / "switches_h200.yaml")
     for switch in SWITCHES:
         for profile in ("cap", "realistic"):
-            on, defaults = f"{profile}_{switch}_256", f"{profile}_256"
+            on = f"{profile}_{switch}_256"
+            defaults = f"{profile}_{AGAINST[switch]}_256" if switch in AGAINST else f"{profile}_256"
             assert calls.pop(f"{switch}_{profile}") == [(defaults, 1), (on, 1), (defaults, 2), (on, 2)]
             assert study.baselines(switches)[on] == [defaults]
     assert {case for case in switches["cases"] if "_" in case.removesuffix("_256")} == {
@@ -75,4 +85,12 @@ def test_a_call_runs_its_steps_into_out_under_timeout(tmp_path):
         *("--only", "*/*_realistic_256/rep2"),
     ]
     refused = _plan("speed_realistic_rep4", "out", cwd=tmp_path, **env)
-    assert refused.returncode == 2 and "the calls: v2_cap packed_cap" in refused.stderr and not refused.stdout
+    assert refused.returncode == 2 and "the calls: engine_process_gpu v2_cap" in refused.stderr and not refused.stdout
+    gpu = _plan("engine_process_gpu", "rel/out", cwd=tmp_path, **env)
+    assert gpu.returncode == 0, gpu.stderr
+    assert gpu.stdout.split() == [
+        *("timeout", "--kill-after=60", "520", "python3", "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu"),
+        str(REPO / "tests" / "test_engine_process_gpu.py"),
+        *("--junitxml", str(tmp_path / "rel" / "out" / "gpu_tests" / "engine_process" / "junit.xml")),
+    ]
+    assert (tmp_path / "rel" / "out" / "gpu_tests" / "engine_process").is_dir(), "its report's directory"

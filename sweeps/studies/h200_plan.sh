@@ -3,13 +3,18 @@
 # each stopped by `timeout` before ten minutes:
 #   - each switch of sweeps/studies/switches_h200.yaml against the defaults, every completion to the cap and at the
 #     realistic length profile: a switch and its defaults interleaved in one call, into a directory of their own;
+#   - the engine in a process of its own (placement=colocate_process, same settings) against in-process colocate, and
+#     overlap (placement.overlap=true) against colocate_process, at both length profiles, the same way;
 #   - sweeps/studies/speed_h200.yaml (ours against plain TRL, at natural stop and at the realistic profile): one
 #     repeat of one block of cases a call, in the study's order, all into one directory. Those calls continue one
-#     study: OUT/speed_h200 must be there for the next call (bring it back to a new machine).
+#     study: OUT/speed_h200 must be there for the next call (bring it back to a new machine);
+#   - GPU tests (study `pytest`, steps: test files): `pytest -m gpu` on them, its JUnit report into OUT/DIRECTORY.
+#     engine_process_gpu runs placement=colocate_process's GPU path (IPC weight transfer) once: run it first.
 #
 #   bash sweeps/studies/h200_plan.sh                  list the calls
 #   bash sweeps/studies/h200_plan.sh --dry-run [OUT]  each call's command, its steps and theirs (the study runner's
-#                                                     `plan`): nothing runs; with OUT, steps finished there are kept
+#                                                     `plan`; a GPU test call's command only): nothing runs; with
+#                                                     OUT, steps finished there are kept
 #   bash sweeps/studies/h200_plan.sh CALL OUT         run one call into OUT under `timeout` (exit 124: it stopped it)
 #
 # PYTHON (python3), LIMIT_S (520: SIGTERM then, the running job saves and the study stops; SIGKILL 60 s later).
@@ -19,8 +24,9 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PYTHON=${PYTHON:-python3}
 LIMIT_S=${LIMIT_S:-520}
 
-# call                study          directory under OUT              steps (MODEL/CASE[/rep<k>] patterns)
+# call                study          directory under OUT              steps (MODEL/CASE[/rep<k>] patterns; test files)
 CALLS="
+engine_process_gpu    pytest         gpu_tests/engine_process         tests/test_engine_process_gpu.py
 v2_cap                switches_h200  switches_h200/v2_cap             */cap_256 */cap_v2_256
 packed_cap            switches_h200  switches_h200/packed_cap         */cap_256 */cap_packed_256
 compile_cap           switches_h200  switches_h200/compile_cap        */cap_256 */cap_compile_256
@@ -28,7 +34,11 @@ liger_cap             switches_h200  switches_h200/liger_cap          */cap_256 
 v2_realistic          switches_h200  switches_h200/v2_realistic       */realistic_256 */realistic_v2_256
 packed_realistic      switches_h200  switches_h200/packed_realistic   */realistic_256 */realistic_packed_256
 compile_realistic     switches_h200  switches_h200/compile_realistic  */realistic_256 */realistic_compile_256
-liger_realistic       switches_h200  switches_h200/liger_realistic    */realistic_256 */realistic_liger_256"
+liger_realistic       switches_h200  switches_h200/liger_realistic    */realistic_256 */realistic_liger_256
+process_cap           switches_h200  switches_h200/process_cap        */cap_256 */cap_process_256
+overlap_cap           switches_h200  switches_h200/overlap_cap        */cap_process_256 */cap_overlap_256
+process_realistic     switches_h200  switches_h200/process_realistic  */realistic_256 */realistic_process_256
+overlap_realistic     switches_h200  switches_h200/overlap_realistic  */realistic_process_256 */realistic_overlap_256"
 for r in rep1 rep2 rep3; do
   CALLS+="
 speed_256_$r          speed_h200     speed_h200  */ours_256/$r */plain_256/$r */plain_ours_256/$r */ours_v2_256/$r
@@ -50,6 +60,11 @@ case "${1:-}" in
     out=${2:-OUT}
     for name in $names; do
       find_call "$name"
+      if [[ $study == pytest ]]; then
+        echo "== $name: timeout --kill-after=60 $LIMIT_S $PYTHON -m pytest -p no:cacheprovider -m gpu $steps" \
+          "--junitxml $out/$dir/junit.xml"
+        continue
+      fi
       echo "== $name: timeout --kill-after=60 $LIMIT_S $PYTHON -m colocated_grpo.bench.study run" \
         "sweeps/studies/$study.yaml --out $out/$dir --only $steps"
       "$PYTHON" -m colocated_grpo.bench.study plan "$REPO/sweeps/studies/$study.yaml" --out "$out/$dir" --only $steps
@@ -59,6 +74,13 @@ case "${1:-}" in
     if [[ $# -ne 2 ]] || ! find_call "$1"; then
       echo "usage: bash sweeps/studies/h200_plan.sh [--dry-run [OUT] | CALL OUT]; the calls:" $names >&2
       exit 2
+    fi
+    if [[ $study == pytest ]]; then
+      tests=()
+      for test in $steps; do tests+=("$REPO/$test"); done
+      mkdir -p "$2/$dir"
+      exec timeout --kill-after=60 "$LIMIT_S" "$PYTHON" -m pytest -p no:cacheprovider -m gpu "${tests[@]}" \
+        --junitxml "$(realpath -m "$2")/$dir/junit.xml"
     fi
     exec timeout --kill-after=60 "$LIMIT_S" "$PYTHON" -m colocated_grpo.bench.study run \
       "$REPO/sweeps/studies/$study.yaml" --out "$(realpath -m "$2")/$dir" --only $steps
