@@ -216,6 +216,16 @@ def test_step_line_shows_reward_time_throughput_and_gpu_util_of_the_step():
         == "step 1/3 | reward 0 | 10.00 s (generate 3.00, train 3.00) | 4 tok/s/GPU"
     )
     assert format_line(5, -1, {"step_time": 1.234}) == "step 5 | 1.23 s"
+    # placement.overlap: the next batch's generation beside the step's phases, not in its wall time
+    ahead = {
+        "timing_s/step": 0.7,
+        "timing_s/generate": 0.01,
+        "timing_s/train": 0.6,
+        "timing_s/generate_overlapped": 0.5,
+    }
+    assert format_line(3, 3, ahead) == (
+        "step 3/3 | 0.70 s (generate 0.01, train 0.60, next batch generated in 0.50 beside them)"
+    )
 
 
 def test_server_gpus_count_as_used_but_not_as_training_gpus():
