@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import pickle
-import signal
 import threading
 import time
 
@@ -72,7 +71,7 @@ def engine_environment(cpu_eager: bool, start_timeout_s: int):
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-        _watch_engine_processes()
+        started_processes()
 
     return environment
 
@@ -124,32 +123,18 @@ class EngineProcessDied(RuntimeError):
     launch/lifecycle.EXPLAINED)."""
 
 
-# The engine's death as an error in the trainer's main thread, which may be waiting for its outputs with no timeout
-# (vLLM's SyncMPClient.get_output): the watching thread signals it, and the handler raises there.
-ENGINE_ENDED_SIGNAL = signal.SIGUSR2
-WATCH_INTERVAL_S = 1.0
-
-
-def _watch_engine_processes() -> None:
-    """From the main thread, once the engine started: name its processes (vLLM's engine core and its worker) and
-    raise EngineProcessDied in this thread when one of them ends before this process does."""
+def started_processes() -> list:
+    """This process's engine processes (vLLM's engine core and its worker), as psutil.Process; named in the line that
+    says the engine died. Called once the engine started."""
     import psutil
 
     started = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
     _STARTED[:] = [(p.name(), p.pid) for p in started]
-    main = threading.main_thread().ident
+    return started
 
-    def ended(signum, frame):
-        raise EngineProcessDied(_ended_during_the_run())
 
-    def watch():
-        while all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started):
-            time.sleep(WATCH_INTERVAL_S)
-        signal.pthread_kill(main, ENGINE_ENDED_SIGNAL)
-
-    if started:
-        signal.signal(ENGINE_ENDED_SIGNAL, ended)
-        threading.Thread(target=watch, name="engine-process-watch", daemon=True).start()
+def died() -> EngineProcessDied:
+    return EngineProcessDied(_ended_during_the_run())
 
 
 @contextlib.contextmanager
@@ -160,7 +145,7 @@ def _engine_alive():
     try:
         yield
     except EngineDeadError as exc:
-        raise EngineProcessDied(_ended_during_the_run()) from exc
+        raise died() from exc
 
 
 def _engine_processes() -> str:

@@ -12,6 +12,8 @@ imported.
   - under torchrun, `stop_with_torchrun_agent`: SIGTERM when the torchrun agent dies, even by SIGKILL.
 - an orchestrator of jobs (a sweep, a study), `sigterm_as_interrupt`: SIGTERM stops it as Ctrl-C does, so that the
   running job is stopped and recorded, not orphaned.
+  - with the engine in processes of its own (placement=colocate_process), `fail_when_any_ends`: when one of them
+    ends, SIGUSR2 from a watching thread raises the error that says so in the main thread.
 - the torchrun this project starts (launch/torchrun.py), `torchrun_agent`: torch's own handler passes the signal to
   the workers and waits for them; then the agent exits 128 + the signal in one line, not 1 with a traceback.
 """
@@ -158,3 +160,29 @@ def sigterm_as_interrupt():
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+# A process of its own that the trainer depends on ended: raised in the main thread, which may be waiting for it with
+# no timeout (vLLM's SyncMPClient.get_output waits on a queue that a dead engine never fills).
+PROCESS_ENDED_SIGNAL = signal.SIGUSR2
+WATCH_INTERVAL_S = 1.0
+
+
+def fail_when_any_ends(processes: list, error: Callable[[], BaseException]) -> None:
+    """From the main thread: raise `error()` there when one of `processes` (psutil.Process) ends before this process
+    does; a watching thread checks them every WATCH_INTERVAL_S and signals the main thread."""
+    import psutil
+
+    main = threading.main_thread().ident
+
+    def raise_error(signum, frame) -> None:
+        raise error()
+
+    def watch() -> None:
+        while all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
+            time.sleep(WATCH_INTERVAL_S)
+        signal.pthread_kill(main, PROCESS_ENDED_SIGNAL)
+
+    if processes:
+        signal.signal(PROCESS_ENDED_SIGNAL, raise_error)
+        threading.Thread(target=watch, name="watch-processes", daemon=True).start()

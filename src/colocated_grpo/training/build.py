@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from colocated_grpo import run_files
 from colocated_grpo.compat import trl as trl_internals
-from colocated_grpo.resilience import checkpoints, out_of_memory, preemption, wandb_rewind
+from colocated_grpo.resilience import checkpoints, out_of_memory, preemption, signals, wandb_rewind
 from colocated_grpo.run_files import STEP_KEY, JsonlWriter
 from colocated_grpo.telemetry.callback import MetricsFileCallback, TelemetryCallback, install_step_line
 from colocated_grpo.telemetry.profile import ProfileStep
@@ -54,6 +54,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
             raise
         raise explained from exc
     checkpoints.quiet_tied_weights_on_resume(trainer.model)
+    if placement.get("engine_process"):  # its death ends the run in one line, even while the trainer waits on it
+        from colocated_grpo.compat import engine_process
+
+        signals.fail_when_any_ends(engine_process.started_processes(), engine_process.died)
     return trainer
 
 
