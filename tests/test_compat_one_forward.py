@@ -86,6 +86,7 @@ def _args(**args):
         gradient_accumulation_steps=4,
         steps_per_generation=2,
         use_liger_kernel=False,
+        liger_kernel_config=None,
         seed=0,
         generation_kwargs={},
     )
@@ -120,7 +121,8 @@ def build(monkeypatch):
         ({"num_iterations": 2}, "trainer.num_iterations=2"),
         ({"gradient_accumulation_steps": 3}, "not a multiple of steps_per_generation=2"),
         ({"gradient_accumulation_steps": 1}, "not a multiple of steps_per_generation=2"),
-        ({"use_liger_kernel": True}, "use_liger_kernel"),
+        ({"use_liger_kernel": True}, None),  # TRL keeps its log-prob forward: Liger's layer kernels only
+        ({"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}}, "fused linear"),
         ({"vllm_importance_sampling_correction": False}, "no extra forward to save"),
         ({"use_vllm": False}, "no extra forward to save"),
     ],

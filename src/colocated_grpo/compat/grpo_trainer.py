@@ -291,9 +291,10 @@ def one_forward_plan(trainer) -> str | None:
             f"trainer.gradient_accumulation_steps={args.gradient_accumulation_steps} is not a multiple of "
             f"steps_per_generation={args.steps_per_generation}: updates land inside a generation (off-policy)"
         )
-    if args.use_liger_kernel:
-        # TRL 1.16 keeps its own log-prob forward under Liger (layer kernels only), but no run compared the paths
-        return "trainer.use_liger_kernel: Liger's layer kernels were not checked against TRL's ratio on this path"
+    if args.use_liger_kernel and (args.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+        # TRL 1.16 turns Liger's fused loss off (layer kernels only: RoPE, RMSNorm, SwiGLU), so its log-prob forward,
+        # and the ratio read from it, stay TRL's own; a fused loss would replace that forward
+        return "trainer.use_liger_kernel with Liger's fused linear cross-entropy replaces TRL's log-prob forward"
     return None
 
 
