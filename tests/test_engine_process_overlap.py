@@ -32,7 +32,11 @@ def overlap_run(train):
 def test_overlap_generates_one_step_ahead_and_records_the_lag(overlap_run):
     """Step 1 is generated in the step (nothing ran ahead of it); every later batch ran ahead, on the weights of the
     step before: lag 1, its rollouts from the policy after step - 2 updates, its generation time beside the step's."""
-    assert "overlap: on" in overlap_run.output and "next batch generated in" in overlap_run.output
+    assert (
+        "overlap: on" in overlap_run.output
+        and "ratio per token, truncated" in overlap_run.output
+        and "its batch generated ahead in" in overlap_run.output
+    )
     metrics = overlap_run.metrics()
     assert [m["overlap/policy_lag"] for m in metrics] == [0, 1, 1, 1, 1]
     assert metrics[0]["timing_s/generate_overlapped"] == 0

@@ -216,7 +216,7 @@ def test_step_line_shows_reward_time_throughput_and_gpu_util_of_the_step():
         == "step 1/3 | reward 0 | 10.00 s (generate 3.00, train 3.00) | 4 tok/s/GPU"
     )
     assert format_line(5, -1, {"step_time": 1.234}) == "step 5 | 1.23 s"
-    # placement.overlap: the next batch's generation beside the step's phases, not in its wall time
+    # placement.overlap: the step's batch, generated while the step before trained: beside its phases, not in them
     ahead = {
         "timing_s/step": 0.7,
         "timing_s/generate": 0.01,
@@ -224,7 +224,7 @@ def test_step_line_shows_reward_time_throughput_and_gpu_util_of_the_step():
         "timing_s/generate_overlapped": 0.5,
     }
     assert format_line(3, 3, ahead) == (
-        "step 3/3 | 0.70 s (generate 0.01, train 0.60, next batch generated in 0.50 beside them)"
+        "step 3/3 | 0.70 s (generate 0.01, train 0.60; its batch generated ahead in 0.50)"
     )
 
 

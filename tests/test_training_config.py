@@ -446,3 +446,14 @@ def test_the_model_runner_v2_is_asked_of_vllm_on_a_gpu_and_refused_without_one(m
         assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     finally:
         os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+
+
+def test_overlap_takes_the_importance_sampling_ratio_per_token_unless_one_is_given():
+    """One step off-policy, TRL's default mode (a whole-sequence ratio masked past its cap) drops the completions the
+    last update made likelier; overlap takes the per-token truncated ratio (sweeps/results/overlap_learning_cpu)."""
+    overlap = ("run.name=overlap", "placement=colocate_process", "placement.overlap=true")
+    assert grpo_config(compose_train(*overlap), "unused", []).vllm_importance_sampling_mode == "token_truncate"
+    given = compose_train(*overlap, "+trainer.vllm_importance_sampling_mode=sequence_truncate")
+    assert grpo_config(given, "unused", []).vllm_importance_sampling_mode == "sequence_truncate"
+    without = compose_train("run.name=process", "placement=colocate_process")
+    assert grpo_config(without, "unused", []).vllm_importance_sampling_mode == "sequence_mask", "TRL's default"

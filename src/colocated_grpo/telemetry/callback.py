@@ -188,8 +188,8 @@ def format_line(step: int, max_steps: int, m: dict) -> str:
         parts.append(f"reward {reward:.3g}")
     if (seconds := m.get("timing_s/step", m.get("step_time"))) is not None:  # TRL's own step timer without ours
         phases = ", ".join(f"{p} {m[f'timing_s/{p}']:.2f}" for p in PHASES_SHOWN if f"timing_s/{p}" in m)
-        if ahead := m.get("timing_s/generate_overlapped"):  # placement.overlap: the next batch, beside this step
-            phases += f", next batch generated in {ahead:.2f} beside them"
+        if ahead := m.get("timing_s/generate_overlapped"):  # placement.overlap: this batch, beside the step before
+            phases += f"; its batch generated ahead in {ahead:.2f}"
         parts.append(f"{seconds:.2f} s" + (f" ({phases})" if phases else ""))
     if (rate := m.get("perf/tokens_per_s_per_gpu")) is not None:
         parts.append(f"{rate:,.0f} tok/s/GPU")

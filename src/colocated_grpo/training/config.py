@@ -465,6 +465,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+OVERLAP_IS_MODE = "token_truncate"  # trainer.vllm_importance_sampling_mode under placement.overlap, unless given
+
+
 def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived: dict | None = None):
     """trl.GRPOConfig from `trainer.*`, what the runner owns and what the data derived (`derived`) where unset.
     TRL's own refusals become a ConfigError naming the trainer keys."""
@@ -497,6 +500,12 @@ def grpo_config(cfg: DictConfig, output_dir: str, report_to: list[str], derived:
         )
     if ours or users:
         kwargs["generation_kwargs"] = {**ours, **users}
+    if cfg.placement.get("overlap") and kwargs.get("vllm_importance_sampling_mode") is None:
+        # One step off-policy, TRL's default (sequence_mask) zeroes every completion whose whole-sequence ratio passes
+        # its cap: mostly those the last update made likelier, so learning slows or turns back. Per token, truncated,
+        # overlap learned close to in-process (sweeps/results/overlap_learning_cpu).
+        kwargs["vllm_importance_sampling_mode"] = OVERLAP_IS_MODE
+        log.info("placement.overlap: the importance-sampling ratio per token, truncated (%s)", OVERLAP_IS_MODE)
     ours = dict(output_dir=output_dir, report_to=report_to, run_name=cfg.run.name, seed=int(cfg.seed))
     ours["reward_weights"] = [float(w) for w in cfg.reward.weights.values()]
     try:
