@@ -49,7 +49,8 @@ def assert_none_left(pids: list[int], within_s: float = 20.0) -> None:
 @pytest.fixture(scope="module")
 def process_run(train, tmp_path_factory):
     record = tmp_path_factory.mktemp("engine_weights") / "weights.jsonl"
-    run = train(*WEIGHTS_COMPARED, *PROCESS, env={"ENGINE_WEIGHTS_RECORD": str(record)})
+    # under torchrun (one rank), against conftest's moving run, a plain `python train.py`
+    run = train(*WEIGHTS_COMPARED, *PROCESS, nproc=1, env={"ENGINE_WEIGHTS_RECORD": str(record)})
     run.weights = {r["step"]: r["difference"] for r in map(json.loads, record.read_text().splitlines())}
     return run
 
@@ -79,6 +80,17 @@ def test_tensor_parallel_engines_are_refused_before_anything_loads(train):
     assert run.proc.returncode == 1
     assert "placement=colocate_process runs one engine per rank" in run.output
     assert "Loading weights" not in run.output and "Traceback" not in run.output
+
+
+def test_an_engine_that_does_not_start_in_time_is_reported_and_ended(train):
+    run = train(*PROCESS, "placement.engine_start_timeout_s=1", check=False)
+    assert run.proc.returncode == 1
+    said = [line for line in run.output.splitlines() if line.startswith("EngineProcessDied:")]
+    assert said == [
+        "EngineProcessDied: the generation engine's process did not start within placement.engine_start_timeout_s="
+        "1 s; raise it where the machine is slow to load the model"
+    ], run.output[-4000:]
+    assert "Traceback" not in run.output
 
 
 def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leaving_no_process(model_cache, tmp_path):

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # process per engine), our worker methods, and on GPUs vLLM's IPC weight transfer.
 ENGINE_BACKEND = "uni"
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
+_TIMED_OUT: list[bool] = []  # [True] once the start-up deadline ended the engine's processes
 
 
 def engine_arguments() -> dict:
@@ -42,13 +43,13 @@ def engine_arguments() -> dict:
     return kwargs
 
 
-def engine_environment(cpu_eager: bool, start_timeout_s: int):
+def engine_environment(cpu_eager: bool, start_timeout_s: float):
     """A context manager factory: the environment the engine's processes start in, set while TRL builds the engine and
-    restored after (they inherit it when spawned)."""
+    restored after (they inherit it when spawned); an engine not started within `start_timeout_s` is ended and
+    reported."""
     values = {
         engine_worker.ENGINE_PROCESS: "eager" if cpu_eager else "compiled",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process (external_launcher turns it off)
-        "VLLM_ENGINE_READY_TIMEOUT_S": str(int(start_timeout_s)),  # an engine that does not start is reported
     }
     if torch.cuda.is_available():
         values["CUDA_VISIBLE_DEVICES"] = _physical_device(torch.cuda.current_device())  # the rank's GPU alone
@@ -58,14 +59,24 @@ def engine_environment(cpu_eager: bool, start_timeout_s: int):
     def environment():
         saved = {name: os.environ.get(name) for name in values}
         os.environ.update(values)
+        # vLLM's own start-up deadline (VLLM_ENGINE_READY_TIMEOUT_S) is read once, when vLLM is imported: ours ends
+        # the engine's processes instead, and vLLM's start-up then fails
+        import psutil
+
+        earlier = {p.pid for p in psutil.Process().children(recursive=True)}
+        timer = threading.Timer(start_timeout_s, _end_engine_processes, args=(earlier,))
+        timer.start()
         try:
             yield
-        except TimeoutError as exc:  # vLLM: "Timed out waiting for engine core processes to start"
-            raise EngineProcessDied(
-                f"the generation engine's process did not start within placement.engine_start_timeout_s="
-                f"{start_timeout_s} s ({exc}); raise it where the machine is slow to load the model"
-            ) from exc
+        except Exception as exc:
+            if _TIMED_OUT:
+                raise EngineProcessDied(
+                    f"the generation engine's process did not start within placement.engine_start_timeout_s="
+                    f"{start_timeout_s:g} s; raise it where the machine is slow to load the model"
+                ) from exc
+            raise
         finally:
+            timer.cancel()
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
@@ -74,6 +85,17 @@ def engine_environment(cpu_eager: bool, start_timeout_s: int):
         started_processes()
 
     return environment
+
+
+def _end_engine_processes(earlier: set[int]) -> None:
+    """The start-up deadline passed: end the processes started since `earlier` (the engine's, whatever they are named
+    yet; vLLM's start-up in the trainer then fails)."""
+    import psutil
+
+    _TIMED_OUT.append(True)
+    for process in psutil.Process().children(recursive=True):
+        if process.pid not in earlier:
+            process.kill()
 
 
 def _physical_device(index: int) -> str:
