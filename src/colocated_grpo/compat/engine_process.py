@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 # process per engine), our worker methods, and on GPUs vLLM's IPC weight transfer.
 ENGINE_BACKEND = "uni"
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
-_TIMED_OUT: list[bool] = []  # [True] once the start-up deadline ended the engine's processes
 
 
 def engine_arguments() -> dict:
@@ -64,12 +63,13 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
         import psutil
 
         earlier = {p.pid for p in psutil.Process().children(recursive=True)}
-        timer = threading.Timer(start_timeout_s, _end_engine_processes, args=(earlier,))
+        passed = threading.Event()
+        timer = threading.Timer(start_timeout_s, _end_engine_processes, args=(earlier, passed))
         timer.start()
         try:
             yield
         except Exception as exc:
-            if _TIMED_OUT:
+            if passed.is_set():
                 raise EngineProcessDied(
                     f"the generation engine's process did not start within placement.engine_start_timeout_s="
                     f"{start_timeout_s:g} s; raise it where the machine is slow to load the model"
@@ -87,12 +87,12 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
     return environment
 
 
-def _end_engine_processes(earlier: set[int]) -> None:
+def _end_engine_processes(earlier: set[int], passed: threading.Event) -> None:
     """The start-up deadline passed: end the processes started since `earlier` (the engine's, whatever they are named
     yet; vLLM's start-up in the trainer then fails)."""
     import psutil
 
-    _TIMED_OUT.append(True)
+    passed.set()
     for process in psutil.Process().children(recursive=True):
         if process.pid not in earlier:
             process.kill()
@@ -111,8 +111,7 @@ def send_weights(llm, named_tensors) -> None:
     else:
         from safetensors.torch import save
 
-        # copied as they come: TRL's iterator may change a tensor after yielding it (PEFT unmerges at its end)
-        blob = save({name: tensor.detach().contiguous().clone() for name, tensor in named_tensors})
+        blob = save({name: tensor.detach().contiguous() for name, tensor in named_tensors})
         llm.collective_rpc("load_policy_weights", args=(blob,))
 
 
@@ -223,6 +222,7 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
             self.in_flight.thread.join()  # (TRL syncs inside its generate phase: the wait counts there)
         with _in_phase(self.phase_tracker, "sync_weights"), _engine_alive():
             if self.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
+                torch.cuda.empty_cache()  # the trainer's cached blocks, which the engine's process needs to wake
                 self.llm.wake_up(tags=["weights"])
                 self._llm_weights_sleeping = False
             send_weights(self.llm, self._iter_named_params())
@@ -250,9 +250,10 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
     def _generate_in_step(self, prompts, images, num_generations, profiler):
         # The in-process engine samples from the trainer's own generator, which the trainer also draws from between
         # generations (TRL shuffles each generation batch): handed over and back, the engine's process continues the
-        # same stream. And it schedules once every request of the batch is in, as the in-process engine does: the
-        # engine's process would otherwise start on the first request while the others are still on their way, and
-        # its first steps would sample fewer sequences. One seed then samples the same tokens in either placement.
+        # same stream. And it schedules once every request of the batch is in, as the in-process engine does
+        # (hold_scheduling_until_all_requests_are_in): the engine's process would otherwise start on the first request
+        # while the others are still on their way, and its first steps would sample fewer sequences. One seed then
+        # samples the same tokens in either placement.
         with _engine_alive():
             self.llm.collective_rpc("set_sampling_rng_state", args=(engine_worker.sampling_rng_state(),))
             result = self._generate_requests(prompts, images, num_generations, profiler)
@@ -260,21 +261,27 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
         return result
 
     def _generate_requests(self, prompts, images=None, num_generations=1, profiler=None):
-        self._schedule_once_all_requests_are_in()
+        """TRL's generate (through ColocatedVLLMGeneration's reader), without ours."""
         return super().generate(prompts, images, num_generations, profiler)
 
-    def _schedule_once_all_requests_are_in(self) -> None:
-        """Pause the engine's scheduling (vLLM's sleep level 0: requests queue) until LLM.generate, its requests all
-        added, first asks the engine for outputs."""
-        llm, engine = self.llm, self.llm.llm_engine
+
+def hold_scheduling_until_all_requests_are_in(llm) -> None:
+    """Each LLM.generate of `llm` pauses the engine's scheduling (vLLM's sleep level 0: requests queue) until, its
+    requests all added, it first asks the engine for outputs: the engine then schedules the whole batch at once, as
+    the in-process engine does."""
+    engine, generate = llm.llm_engine, llm.generate
+
+    def first_step():
+        del engine.step  # LLMEngine's own from here on
+        llm.wake_up(tags=["scheduling"])
+        return engine.step()
+
+    def generate_all_at_once(*args, **kwargs):
         llm.sleep(level=0)
-
-        def first_step():
-            del engine.step  # LLMEngine's own from here on
-            llm.wake_up(tags=["scheduling"])
-            return engine.step()
-
         engine.step = first_step
+        return generate(*args, **kwargs)
+
+    llm.generate = generate_all_at_once
 
 
 class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
@@ -292,6 +299,7 @@ class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
         self._ahead = None  # overlap: (the epoch's iterator, the batch read ahead of the trainer's loop)
         self._said_regenerated = False
         generation = self.vllm_generation
+        hold_scheduling_until_all_requests_are_in(generation.llm)
         generation.policy_step = lambda: self.state.global_step
         if overlap and (why_not := self._overlap_refused()):
             log.warning("overlap: off, %s", why_not)
