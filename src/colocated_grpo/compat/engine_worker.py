@@ -15,17 +15,20 @@ WORKER_EXTENSION = f"{__name__}.PolicyWorker"
 
 def apply_patches() -> None:
     """vLLM's `vllm.general_plugins` entry point, run in each of its processes before a model loads: inside our
-    engine's processes, the CPU engine's patches that the trainer's own process has too (compat/vllm.py)."""
+    engine's processes, the patches that the trainer's own process has too (compat/vllm.py): the broadcast buffer
+    unlinked once mapped and, on CPU, the CPU engine's."""
     mode = os.environ.get(ENGINE_PROCESS)
     if mode is None:
         return
+    from colocated_grpo.compat import vllm as vllm_internals
+
     _end_with_parent()
+    # the engine's processes end by a signal, which skips vLLM's own unlink of its broadcast buffer
+    vllm_internals.unlink_broadcast_memory_once_mapped()
     import torch
 
     if torch.cuda.is_available():
         return
-    from colocated_grpo.compat import vllm as vllm_internals
-
     vllm_internals.prepare_cpu()
     if mode == "eager":
         vllm_internals.run_eagerly()
