@@ -755,6 +755,7 @@ COMPLETIONS_PER_STEP = {
     "plain_trl_h200_0.5b": lambda case: int(case.rsplit("_", 1)[1]),
     "learning_h200": lambda case: 64,
     "learning_h200_x2": lambda case: 64,
+    "overlap_learning_cpu": lambda case: 16,
     "parallelism_h200": lambda case: 128,
     "speed_h200": lambda case: int(case.rsplit("_", 1)[1]),
     "switches_h200": lambda case: 256,

@@ -27,7 +27,8 @@ def machine_roots(out: str | Path) -> list[tuple[str, str]]:
     study = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else "OUT"
     roots = [(str(out), study), (str(REPO), ".")]
     roots += [(path, "<site-packages>") for path in {*site.getsitepackages(), site.getusersitepackages()}]
-    roots += [(sys.prefix, "<python>"), (str(Path.home()), "<home>"), (tempfile.gettempdir(), "<tmp>")]
+    roots += [(sys.prefix, "<python>"), (sys.base_prefix, "<base-python>")]  # a venv's and the interpreter's own
+    roots += [(str(Path.home()), "<home>"), (tempfile.gettempdir(), "<tmp>")]
     if cache := os.environ.get("COLOCATED_GRPO_CACHE"):
         roots.append((str(Path(cache).resolve()), "<cache>"))
     return roots
