@@ -75,13 +75,6 @@ def test_a_finished_run_leaves_no_engine_process(process_run):
     assert_none_left(engine_pids(process_run.output))
 
 
-def test_tensor_parallel_engines_are_refused_before_anything_loads(train):
-    run = train(*PROCESS, "trainer.vllm_tensor_parallel_size=2", "parallelism.nproc_per_node=2", check=False)
-    assert run.proc.returncode == 1
-    assert "placement=colocate_process runs one engine per rank" in run.output
-    assert "Loading weights" not in run.output and "Traceback" not in run.output
-
-
 def test_an_engine_that_does_not_start_in_time_is_reported_and_ended(train):
     run = train(*PROCESS, "placement.engine_start_timeout_s=1", check=False)
     assert run.proc.returncode == 1
@@ -107,7 +100,7 @@ def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leavin
         "trainer.save_steps=2",
         nproc=2,
     )
-    job.wait_until(lambda: len(job.steps()) >= 3)
+    job.wait_until(lambda: len(job.steps()) >= 2)
     pids = engine_pids(job.output)
     assert len(pids) == 4, job.output[-4000:]  # each rank's engine core and worker
     engine_core = next(p for p in map(psutil.Process, pids) if p.name() == "VLLM::EngineCore")
@@ -118,5 +111,5 @@ def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leavin
     assert "checkpoints are kept" in said[0]
     assert f"traceback : {said[0]}" in job.output, "torchrun names it as the root cause"
     assert "compat/engine_process.py" not in job.output and "vllm/v1" not in job.output, "no frame of ours or vLLM's"
-    assert job.steps()[:3] == [1, 2, 3], "both ranks trained until then"
+    assert job.steps()[:2] == [1, 2], "both ranks trained until then"
     assert_none_left(pids)

@@ -457,3 +457,25 @@ def test_overlap_takes_the_importance_sampling_ratio_per_token_unless_one_is_giv
     assert grpo_config(given, "unused", []).vllm_importance_sampling_mode == "sequence_truncate"
     without = compose_train("run.name=process", "placement=colocate_process")
     assert grpo_config(without, "unused", []).vllm_importance_sampling_mode == "sequence_mask", "TRL's default"
+
+
+def test_the_engine_in_its_own_process_refuses_what_it_does_not_support_before_anything_loads():
+    """One engine per rank, its weights sent whole: TP above 1, sharded parallelism, adapters and overlap with sleep
+    mode are refused, one line each, naming what to use instead."""
+    said = config_problems(
+        "placement=colocate_process",
+        "trainer.vllm_tensor_parallel_size=2",
+        "parallelism=zero3",
+        "parallelism.nproc_per_node=2",
+        "peft=lora",
+        "placement.overlap=true",
+        "trainer.vllm_enable_sleep_mode=true",
+    )
+    for line in (
+        "trainer.vllm_tensor_parallel_size=2 needs placement=colocate",
+        "parallelism=zero3 shards them; use parallelism=ddp or placement=colocate",
+        "peft=lora is not supported there yet; use placement=colocate",
+        "placement.overlap=true generates while training runs, so the engine cannot sleep",
+    ):
+        assert line in said, said
+    validate(compose_train("placement=colocate_process"))  # its defaults pass

