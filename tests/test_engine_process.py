@@ -87,9 +87,9 @@ def test_an_engine_that_does_not_start_in_time_is_reported_and_ended(train):
 
 
 def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leaving_no_process(model_cache, tmp_path):
-    """Two ranks under torchrun, each with its engine in its own process. One rank's engine core is killed: that
-    rank fails with one line naming its engine's processes, torchrun stops the other rank, and no engine process of
-    either rank remains."""
+    """Two ranks under torchrun, each with its engine in its own process. Rank 1's engine core is killed: that rank
+    fails with one line naming its engine's processes (the one line of the launch), torchrun stops the other rank,
+    and no engine process of either rank remains."""
     job = Job(
         tmp_path / "run",
         model_cache,
@@ -103,7 +103,12 @@ def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leavin
     job.wait_until(lambda: len(job.steps()) >= 2)
     pids = engine_pids(job.output)
     assert len(pids) == 4, job.output[-4000:]  # each rank's engine core and worker
-    engine_core = next(p for p in map(psutil.Process, pids) if p.name() == "VLLM::EngineCore")
+    # rank 1's: rank 0 then fails too, in its next collective with rank 1, and must not hide the cause
+    engine_core = next(
+        p
+        for p in map(psutil.Process, pids)
+        if p.name() == "VLLM::EngineCore" and p.parent().environ().get("LOCAL_RANK") == "1"
+    )
     engine_core.send_signal(signal.SIGKILL)
     assert job.wait() != 0
     said = [line for line in job.output.splitlines() if line.startswith("EngineProcessDied:")]

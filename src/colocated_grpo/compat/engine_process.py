@@ -159,17 +159,6 @@ def died() -> EngineProcessDied:
     return EngineProcessDied(_ended_during_the_run())
 
 
-@contextlib.contextmanager
-def _engine_alive():
-    """vLLM's EngineDeadError as the one line that names the engine's processes."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    try:
-        yield
-    except EngineDeadError as exc:
-        raise died() from exc
-
-
 def _engine_processes() -> str:
     return ", ".join(f"{name} pid {pid}" for name, pid in _STARTED) or "vLLM's engine core"
 
@@ -213,15 +202,32 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
     the next generation batch is generated while this one trains (EngineProcessGRPOTrainer)."""
 
     overlap = False
+    waiting = False  # the main thread is waiting on the engine (the only time its death is raised there)
     next_prompts = None  # overlap: () -> the next generation batch's prompt token ids, or None (set by the trainer)
     policy_step = None  # () -> the trainer step whose weights the engine holds (set by the trainer)
     in_flight: InFlight | None = None
     returned: InFlight | None = None  # overlap: the generation the last generate() returned, if it ran ahead
 
+    @contextlib.contextmanager
+    def waiting_on_engine(self):
+        """Where the main thread waits on the engine: vLLM's EngineDeadError becomes the one line that names the
+        engine's processes, and resilience/signals.fail_when_any_ends raises it here if the engine ends while the
+        wait has no end (outside these waits, a signal could cut a collective of the trainer's short)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self.waiting = True
+        try:
+            yield
+        except EngineDeadError as exc:
+            raise died() from exc
+        finally:
+            self.waiting = False
+
     def sync_weights(self):
         if self.in_flight is not None:  # the engine finishes the next batch on the weights it started with
-            self.in_flight.thread.join()  # (TRL syncs inside its generate phase: the wait counts there)
-        with _in_phase(self.phase_tracker, "sync_weights"), _engine_alive():
+            with self.waiting_on_engine():  # (TRL syncs inside its generate phase: the wait counts there)
+                self.in_flight.thread.join()
+        with _in_phase(self.phase_tracker, "sync_weights"), self.waiting_on_engine():
             if self.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
                 torch.cuda.empty_cache()  # the trainer's cached blocks, which the engine's process needs to wake
                 self.llm.wake_up(tags=["weights"])
@@ -240,7 +246,7 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
         if ahead is None:
             result = self._generate_in_step(prompts, images, num_generations, profiler)
         else:
-            with _engine_alive():
+            with self.waiting_on_engine():
                 result = ahead.wait()
         self.returned = ahead
         if (upcoming := self.next_prompts()) is not None:
@@ -255,7 +261,7 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
         # (hold_scheduling_until_all_requests_are_in): the engine's process would otherwise start on the first request
         # while the others are still on their way, and its first steps would sample fewer sequences. One seed then
         # samples the same tokens in either placement.
-        with _engine_alive():
+        with self.waiting_on_engine():
             self.llm.collective_rpc("set_sampling_rng_state", args=(engine_worker.sampling_rng_state(),))
             result = self._generate_requests(prompts, images, num_generations, profiler)
             engine_worker.set_sampling_rng_state(self.llm.collective_rpc("get_sampling_rng_state")[0])

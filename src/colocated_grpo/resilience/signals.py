@@ -13,7 +13,7 @@ imported.
 - an orchestrator of jobs (a sweep, a study), `sigterm_as_interrupt`: SIGTERM stops it as Ctrl-C does, so that the
   running job is stopped and recorded, not orphaned.
   - with the engine in processes of its own (placement=colocate_process), `fail_when_any_ends`: when one of them
-    ends, SIGUSR2 from a watching thread raises the error that says so in the main thread.
+    has ended and the main thread waits on it, SIGUSR2 from a watching thread raises the error that says so there.
 - the torchrun this project starts (launch/torchrun.py), `torchrun_agent`: torch's own handler passes the signal to
   the workers and waits for them; then the agent exits 128 + the signal in one line, not 1 with a traceback.
 """
@@ -168,9 +168,10 @@ PROCESS_ENDED_SIGNAL = signal.SIGUSR2
 WATCH_INTERVAL_S = 1.0
 
 
-def fail_when_any_ends(processes: list, error: Callable[[], BaseException]) -> None:
-    """From the main thread: raise `error()` there when one of `processes` (psutil.Process) ends before this process
-    does; a watching thread checks them every WATCH_INTERVAL_S and signals the main thread."""
+def fail_when_any_ends(processes: list, error: Callable[[], BaseException], waiting: Callable[[], bool]) -> None:
+    """From the main thread: raise `error()` there when one of `processes` (psutil.Process) has ended before this
+    process and the main thread is `waiting()` on them (a signal elsewhere could cut one of its collectives short, and
+    their next call waits there); a watching thread checks every WATCH_INTERVAL_S and signals the main thread."""
     import psutil
 
     main = threading.main_thread().ident
@@ -179,7 +180,7 @@ def fail_when_any_ends(processes: list, error: Callable[[], BaseException]) -> N
         raise error()
 
     def watch() -> None:
-        while all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
+        while all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes) or not waiting():
             time.sleep(WATCH_INTERVAL_S)
         signal.pthread_kill(main, PROCESS_ENDED_SIGNAL)
 

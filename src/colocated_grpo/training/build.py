@@ -57,7 +57,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
     if placement.get("engine_process"):  # its death ends the run in one line, even while the trainer waits on it
         from colocated_grpo.compat import engine_process
 
-        signals.fail_when_any_ends(engine_process.started_processes(), engine_process.died)
+        generation = trainer.vllm_generation
+        signals.fail_when_any_ends(engine_process.started_processes(), engine_process.died, lambda: generation.waiting)
     return trainer
 
 
