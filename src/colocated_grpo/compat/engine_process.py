@@ -241,7 +241,8 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
             return self._generate_in_step(prompts, images, num_generations, profiler)
         ahead, self.in_flight = self.in_flight, None
         if ahead is not None and ahead.prompts != prompts:
-            ahead.thread.join()  # another batch than the one asked for (a resume, a new epoch): not used
+            with self.waiting_on_engine():  # another batch than the one asked for (a new epoch): not used
+                ahead.thread.join()
             ahead = None
         if ahead is None:
             result = self._generate_in_step(prompts, images, num_generations, profiler)
