@@ -18,7 +18,10 @@ from colocated_grpo.provenance import REPO
 PLAN = REPO / "sweeps" / "studies" / "h200_plan.sh"
 SWITCHES = ("v2", "packed", "compile", "liger", "process", "overlap")
 AGAINST = {"overlap": "process"}  # a switch compared with another switch's case, not with the defaults
-GPU_TESTS = {"engine_process_gpu": "tests/test_engine_process_gpu.py"}  # the GPU test calls and their test files
+GPU_TESTS = {  # the GPU test calls: their test files and directories under OUT
+    "engine_process_gpu": ("tests/test_engine_process_gpu.py", "gpu_tests/engine_process"),
+    "packing_gpu": ("tests/test_compat_packing_gpu.py", "gpu_tests/packing"),
+}
 RUNS_A_CALL = 4  # 80 to 150 s a run of 6 steps on one H200 (the kept studies' job.json): a call stays within 520 s
 
 
@@ -45,10 +48,10 @@ def test_the_dry_run_plans_each_switch_beside_what_it_changes_the_speed_study_in
     assert list(planned) == _plan(cwd=tmp_path).stdout.split(), "the calls it lists, in order"
     assert max(len(steps) for steps in planned.values()) <= RUNS_A_CALL
     calls = dict(planned)
-    for call, test in GPU_TESTS.items():
+    for call, (test, directory) in GPU_TESTS.items():
         assert calls.pop(call) == [
             f"--kill-after=60 520 {sys.executable} -m pytest -p no:cacheprovider -m gpu {test} "
-            f"--junitxml {tmp_path / 'out'}/gpu_tests/engine_process/junit.xml"
+            f"--junitxml {tmp_path / 'out'}/{directory}/junit.xml"
         ]
     assert next(iter(planned)) == "engine_process_gpu", "the new placement's GPU path runs before it is measured"
     switches = study.load(REPO / "sweeps" / "studies" / "switches_h200.yaml")
@@ -85,7 +88,7 @@ def test_a_call_runs_its_steps_into_out_under_timeout(tmp_path):
         *("--only", "*/*_realistic_256/rep2"),
     ]
     refused = _plan("speed_realistic_rep4", "out", cwd=tmp_path, **env)
-    assert refused.returncode == 2 and "the calls: engine_process_gpu v2_cap" in refused.stderr and not refused.stdout
+    assert refused.returncode == 2 and "the calls: engine_process_gpu packing_gpu v2_cap" in refused.stderr and not refused.stdout
     gpu = _plan("engine_process_gpu", "rel/out", cwd=tmp_path, **env)
     assert gpu.returncode == 0, gpu.stderr
     assert gpu.stdout.split() == [

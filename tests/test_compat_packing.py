@@ -17,6 +17,15 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return mixed_batch()
+
+
+def tiny_model():
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=300,
@@ -34,8 +43,7 @@ def model():
     return model
 
 
-@pytest.fixture(scope="module")
-def batch():
+def mixed_batch():
     """A micro-batch as TRL builds it: prompts padded on the left, completions on the right."""
     torch.manual_seed(1)
     mask = torch.zeros(len(PROMPT_LENGTHS), PROMPT + COMPLETION, dtype=torch.long)

@@ -26,6 +26,7 @@ def test_ipc_weight_transfer_keeps_the_engine_s_weights_equal_to_the_trainer_s(t
     assert weights[MOVING_SYNC_OFF_FROM] > 1e-6, weights
     assert_weights_reach_the_engine(run.metrics(), MOVING_SYNC_OFF_FROM)
     assert_none_left(engine_pids(run.output))
+    assert "leaked shared_memory" not in run.output
 
 
 def test_overlap_on_a_gpu_generates_ahead(train):

@@ -9,7 +9,8 @@
 #     repeat of one block of cases a call, in the study's order, all into one directory. Those calls continue one
 #     study: OUT/speed_h200 must be there for the next call (bring it back to a new machine);
 #   - GPU tests (study `pytest`, steps: test files): `pytest -m gpu` on them, its JUnit report into OUT/DIRECTORY.
-#     engine_process_gpu runs placement=colocate_process's GPU path (IPC weight transfer) once: run it first.
+#     engine_process_gpu runs placement=colocate_process's GPU path (IPC weight transfer) once: run it first;
+#     packing_gpu, packed micro-batches through varlen_attn against the padded forward.
 #
 #   bash sweeps/studies/h200_plan.sh                  list the calls
 #   bash sweeps/studies/h200_plan.sh --dry-run [OUT]  each call's command, its steps and theirs (the study runner's
@@ -27,6 +28,7 @@ LIMIT_S=${LIMIT_S:-520}
 # call                study          directory under OUT              steps (MODEL/CASE[/rep<k>] patterns; test files)
 CALLS="
 engine_process_gpu    pytest         gpu_tests/engine_process         tests/test_engine_process_gpu.py
+packing_gpu           pytest         gpu_tests/packing                tests/test_compat_packing_gpu.py
 v2_cap                switches_h200  switches_h200/v2_cap             */cap_256 */cap_v2_256
 packed_cap            switches_h200  switches_h200/packed_cap         */cap_256 */cap_packed_256
 compile_cap           switches_h200  switches_h200/compile_cap        */cap_256 */cap_compile_256
