@@ -16,7 +16,7 @@ from colocated_grpo.bench.study import running
 from colocated_grpo.provenance import REPO
 
 PLAN = REPO / "sweeps" / "studies" / "h200_plan.sh"
-SWITCHES = ("v2", "packed", "compile", "liger", "process", "overlap")
+SWITCHES = ("v2", "packed", "compile", "liger", "balanced", "process", "overlap")
 AGAINST = {"overlap": "process"}  # a switch compared with another switch's case, not with the defaults
 GPU_TESTS = {  # the GPU test calls: their test files and directories under OUT
     "engine_process_gpu": ("tests/test_engine_process_gpu.py", "gpu_tests/engine_process"),
@@ -88,7 +88,8 @@ def test_a_call_runs_its_steps_into_out_under_timeout(tmp_path):
         *("--only", "*/*_realistic_256/rep2"),
     ]
     refused = _plan("speed_realistic_rep4", "out", cwd=tmp_path, **env)
-    assert refused.returncode == 2 and "the calls: engine_process_gpu packing_gpu v2_cap" in refused.stderr and not refused.stdout
+    assert refused.returncode == 2 and not refused.stdout
+    assert "the calls: engine_process_gpu packing_gpu v2_cap" in refused.stderr
     gpu = _plan("engine_process_gpu", "rel/out", cwd=tmp_path, **env)
     assert gpu.returncode == 0, gpu.stderr
     assert gpu.stdout.split() == [

@@ -21,27 +21,27 @@ FLOOR = 1e-3
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
 def batch():
     return mixed_batch()
 
 
 @pytest.fixture(scope="module")
-def exact(model, batch):
+def cpu_model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def exact(cpu_model, batch):
     """The padded forward in fp32 on the CPU: the values both bf16 GPU paths are compared with."""
     input_ids, mask = batch
-    logps, _ = _padded(model, input_ids, mask)
-    loss, grads = _loss_and_grads(model, logps, mask[:, -COMPLETION:].float())
+    logps, _ = _padded(cpu_model, input_ids, mask)
+    loss, grads = _loss_and_grads(cpu_model, logps, mask[:, -COMPLETION:].float())
     return logps.detach(), loss, grads
 
 
 @pytest.fixture(scope="module")
-def gpu_model(model):
-    return copy.deepcopy(model).to("cuda", torch.bfloat16)
+def gpu_model(cpu_model):
+    return copy.deepcopy(cpu_model).to("cuda", torch.bfloat16)
 
 
 def _errors(logps, loss, grads, exact, completion_mask):

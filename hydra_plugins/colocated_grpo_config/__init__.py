@@ -27,6 +27,7 @@ class Run:
     length_profile: str | None = MISSING  # one of training.lengths.PROFILES, checked by config.validate
     auto_memory: bool = MISSING
     pack_micro_batches: bool = MISSING
+    balance_micro_batches: bool = MISSING
 
 
 @dataclass

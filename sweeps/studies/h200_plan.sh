@@ -33,10 +33,12 @@ v2_cap                switches_h200  switches_h200/v2_cap             */cap_256 
 packed_cap            switches_h200  switches_h200/packed_cap         */cap_256 */cap_packed_256
 compile_cap           switches_h200  switches_h200/compile_cap        */cap_256 */cap_compile_256
 liger_cap             switches_h200  switches_h200/liger_cap          */cap_256 */cap_liger_256
+balanced_cap          switches_h200  switches_h200/balanced_cap       */cap_256 */cap_balanced_256
 v2_realistic          switches_h200  switches_h200/v2_realistic       */realistic_256 */realistic_v2_256
 packed_realistic      switches_h200  switches_h200/packed_realistic   */realistic_256 */realistic_packed_256
 compile_realistic     switches_h200  switches_h200/compile_realistic  */realistic_256 */realistic_compile_256
 liger_realistic       switches_h200  switches_h200/liger_realistic    */realistic_256 */realistic_liger_256
+balanced_realistic    switches_h200  switches_h200/balanced_realistic */realistic_256 */realistic_balanced_256
 process_cap           switches_h200  switches_h200/process_cap        */cap_256 */cap_process_256
 overlap_cap           switches_h200  switches_h200/overlap_cap        */cap_process_256 */cap_overlap_256
 process_realistic     switches_h200  switches_h200/process_realistic  */realistic_256 */realistic_process_256

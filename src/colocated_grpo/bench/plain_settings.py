@@ -39,6 +39,7 @@ OUR_CODE = (
     "placement.one_forward",  # the training forward's log-probs instead of TRL's extra no-grad forward
     "run.stop_on_nonfinite",  # our non-finite guard, a callback plain TRL does not have
     "run.pack_micro_batches",  # our packed forward (one row per micro-batch without padding)
+    "run.balance_micro_batches",  # our regrouping of each optimizer step's micro-batches
     "placement.engine_process",  # the engine in a process of its own (placement=colocate_process): TRL's is in-process
     "placement.overlap",  # the next batch generated while this one trains
 )

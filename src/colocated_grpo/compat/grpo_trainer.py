@@ -20,7 +20,7 @@ import trl
 from torch.profiler import record_function
 from trl import GRPOTrainer
 
-from colocated_grpo.compat import packing
+from colocated_grpo.compat import micro_batches, packing
 from colocated_grpo.compat import trl as trl_internals
 
 try:  # where TRL 1.16 keeps its engine wrapper; a TRL that moves it runs its own generation (the guard says so)
@@ -56,6 +56,12 @@ WRITTEN_FOR = {
         "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies": "ea73c3909275",
         "trl.trainer.utils:add_fused_lm_head": "422d009f04b6",  # the (rows, length - 1) log-probs it returns
     },
+    "balanced micro-batches": {
+        # the buffer of micro-batches it fills once a generation batch, and the losses that micro-batches' makeup
+        # leaves unchanged
+        "trl.trainer.grpo_trainer:GRPOTrainer._prepare_inputs": "f824e7fb0714",
+        "trl.trainer.grpo_trainer:GRPOTrainer._compute_loss": "80295546bbdb",
+    },
 }
 # What TRL's own code costs where a change falls back to it (one H200, docs/results.md).
 SPEED_LOST = {
@@ -66,6 +72,7 @@ SPEED_LOST = {
         "a slower step: TRL's extra no-grad forward over each generation batch (0.69 s of a step at 256 completions)"
     ),
     "packed micro-batches": "padded micro-batches: every sequence computed to the micro-batch's longest",
+    "balanced micro-batches": "TRL's micro-batches, each padded to the generation batch's longest row",
 }
 
 
@@ -368,13 +375,15 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         sync_chunk_bytes: int | None = 2**30,
         one_forward: bool = True,
         pack_micro_batches: bool = False,
+        balance_micro_batches: bool = False,
         **kwargs,
     ):
         """TRL's arguments, and ours: `seed` for the engine's sampling (None: args.seed); `flat_logprobs`, the flat
         log-prob reader (None: where args.generation_kwargs asks vLLM for flat_logprobs); `sync_chunk_bytes`, the
         batched weight sync's chunk of gathered FSDP2 weights (None: TRL's own sync); `one_forward`, the
         importance-sampling ratio from the training forward where training is on-policy; `pack_micro_batches`, each
-        micro-batch's forward over its sequences packed into one row, without padding (compat/packing.py)."""
+        micro-batch's forward over its sequences packed into one row, without padding (compat/packing.py);
+        `balance_micro_batches`, each optimizer step's rows regrouped by length (compat/micro_batches.py)."""
         super().__init__(*args, **kwargs)
         self._reseed_generation(self.args.seed if seed is None else seed)
         if flat_logprobs is None:
@@ -385,6 +394,7 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             self._batch_weight_sync(sync_chunk_bytes)
         self.one_forward = one_forward and self._one_forward_applies()
         self.pack_micro_batches = pack_micro_batches and self._packing_applies()
+        self.balance_micro_batches = balance_micro_batches and self._balancing_applies()
         self._stats = _GenerationStats()
 
     def _reseed_generation(self, seed: int) -> None:
@@ -440,6 +450,35 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         packing.register()
         log.info("micro-batches: packed, without padding (%s)", packing.kernel())
         return True
+
+    def _balancing_applies(self) -> bool:
+        args = self.args
+        why_not = micro_batches.why_not(
+            args.loss_type, args.top_entropy_quantile, args.steps_per_generation, args.gradient_accumulation_steps
+        ) or upstream_mismatch("balanced micro-batches", type(self))
+        if why_not:
+            log.warning("micro-batches: TRL's, not balanced (%s)", why_not)
+            return False
+        how = "equal tokens" if self.pack_micro_batches else "similar lengths together, each cut to its longest"
+        log.info("micro-batches: balanced in each optimizer step (%s)", how)
+        return True
+
+    def _prepare_inputs(self, generation_batch):
+        before = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if not self.model.training or self._buffered_inputs is before:
+            return inputs
+        buffered = self._buffered_inputs
+        if self.balance_micro_batches:
+            per_step = self.args.gradient_accumulation_steps
+            with self._phase("other"):
+                regrouped = micro_batches.regroup(buffered, per_step, self.pack_micro_batches)
+            if regrouped is not None:
+                self._buffered_inputs = buffered = regrouped
+                inputs = buffered[self._step % self.args.steps_per_generation]
+        share = micro_batches.padding_share(buffered, self.pack_micro_batches)
+        self._metrics["train"]["micro_batches/padding_share"].append(share)
+        return inputs
 
     def _generate_and_score_completions(self, *args, **kwargs):
         if not (self.one_forward and self.model.training):  # evaluation keeps TRL's path

@@ -46,6 +46,7 @@ MAY_CHANGE = (
     "placement.sync_chunk_gb",
     "placement.one_forward",  # the same loss either way
     "run.pack_micro_batches",  # the same log-probs and loss either way
+    "run.balance_micro_batches",  # each optimizer step keeps its rows: the same loss
     "trainer.gradient_checkpointing",  # recomputes activations: the same gradients, less memory
     "run.auto_memory",  # chooses gradient checkpointing only
     # server placement picks free ports at every launch

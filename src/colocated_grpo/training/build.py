@@ -47,6 +47,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
             sync_chunk_bytes=int(float(placement.sync_chunk_gb) * 2**30) if placement.get("fast_sync") else None,
             one_forward=bool(placement.get("one_forward")),
             pack_micro_batches=bool(cfg.run.pack_micro_batches),
+            balance_micro_batches=bool(cfg.run.balance_micro_batches),
             **({"overlap": bool(placement.overlap)} if placement.get("engine_process") else {}),
         )
     except Exception as exc:
