@@ -75,15 +75,37 @@ def test_a_finished_run_leaves_no_engine_process(process_run):
     assert_none_left(engine_pids(process_run.output))
 
 
-def test_an_engine_that_does_not_start_in_time_is_reported_and_ended(train):
-    run = train(*PROCESS, "placement.engine_start_timeout_s=1", check=False)
+# Python starts it in every process of the run: in the engine's (whose environment names our plugin's mode), it holds
+# the first import after our plugin's, for good
+HELD_AT_START = """\
+import importlib.abc, os, sys, time
+
+def engine_start_held_here():
+    time.sleep(3600)
+
+class Hold(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "colocated_grpo.compat.vllm":
+            engine_start_held_here()
+
+if os.environ.get("COLOCATED_GRPO_ENGINE_PROCESS"):
+    sys.meta_path.insert(0, Hold())
+"""
+
+
+def test_an_engine_that_does_not_start_in_time_is_reported_with_its_stacks_and_ended(train, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(HELD_AT_START)
+    run = train(*PROCESS, "placement.engine_start_timeout_s=25", check=False, env={"PYTHONPATH": str(tmp_path)})
     assert run.proc.returncode == 1
     said = [line for line in run.output.splitlines() if line.startswith("EngineProcessDied:")]
     assert said == [
         "EngineProcessDied: the generation engine's process did not start within placement.engine_start_timeout_s="
-        "1 s; raise it where the machine is slow to load the model"
+        "25 s (where its processes were then is written above, from each that had loaded vLLM's plugins); raise it "
+        "where the machine is slow to load the model"
     ], run.output[-4000:]
     assert "Traceback" not in run.output
+    assert "thread 0x" in run.output, "Python's faulthandler wrote the engine core's stack"
+    assert "line 4 in engine_start_held_here" in run.output and "in apply_patches" in run.output, run.output[-4000:]
 
 
 def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leaving_no_process(model_cache, tmp_path):

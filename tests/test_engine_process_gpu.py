@@ -8,6 +8,8 @@ import torch
 from conftest import MOVING_SYNC_OFF_FROM, assert_weights_reach_the_engine
 from test_engine_process import PROCESS, SAME_WEIGHTS, WEIGHTS_COMPARED, assert_none_left, engine_pids
 
+# An engine that does not start writes its stacks into the run's output before the call's time runs out
+STARTS_WITHIN = "placement.engine_start_timeout_s=240"
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run with `pytest -m gpu`)"),
@@ -19,7 +21,7 @@ def test_ipc_weight_transfer_keeps_the_engine_s_weights_equal_to_the_trainer_s(t
     weights (cast to its dtype), its sampled log-probs match the trainer's, and none of its processes outlive the
     run."""
     record = tmp_path / "weights.jsonl"
-    run = train(*WEIGHTS_COMPARED, *PROCESS, "logger=none", env={"ENGINE_WEIGHTS_RECORD": str(record)})
+    run = train(*WEIGHTS_COMPARED, *PROCESS, STARTS_WITHIN, "logger=none", env={"ENGINE_WEIGHTS_RECORD": str(record)})
     assert "weight sync: vLLM's IPC weight transfer" in run.output
     weights = {r["step"]: r["difference"] for r in map(json.loads, record.read_text().splitlines())}
     assert all(weights[step] < SAME_WEIGHTS for step in weights if step < MOVING_SYNC_OFF_FROM), weights
@@ -30,6 +32,6 @@ def test_ipc_weight_transfer_keeps_the_engine_s_weights_equal_to_the_trainer_s(t
 
 
 def test_overlap_on_a_gpu_generates_ahead(train):
-    run = train(*PROCESS, "placement.overlap=true", "trainer.max_steps=4", "logger=none")
+    run = train(*PROCESS, STARTS_WITHIN, "placement.overlap=true", "trainer.max_steps=4", "logger=none")
     assert [m["overlap/policy_lag"] for m in run.metrics()] == [0, 1, 1, 1]
     assert_none_left(engine_pids(run.output))

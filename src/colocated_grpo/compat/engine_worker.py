@@ -1,28 +1,30 @@
 """What runs inside vLLM's own engine process for placement=colocate_process (compat/engine_process.py is the trainer's
-side): our CPU patches, applied through vLLM's general-plugin entry point (pyproject.toml), and the worker methods the
+side): our CPU patches, applied by our vLLM plugin (launch/engine_plugin.py), and the worker methods the
 trainer calls through `collective_rpc` (vLLM's `worker_extension_cls`). Light to import: no TRL, no vLLM at module
 level."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 # Set by the trainer while it builds its engine (the engine's processes inherit it): "eager" or "compiled", the
 # engine's compilation on CPU (placement.cpu_eager). Unset, the plugin does nothing: other vLLM users are untouched.
 ENGINE_PROCESS = "COLOCATED_GRPO_ENGINE_PROCESS"
 WORKER_EXTENSION = f"{__name__}.PolicyWorker"
+# The trainer sends it to the engine's processes that have not started in time (resilience/signals.py's
+# write_stacks_when_asked, run by our vLLM plugin, has each write its stacks on it).
+WRITE_STACKS_SIGNAL = signal.SIGUSR1
 
 
 def apply_patches() -> None:
-    """vLLM's `vllm.general_plugins` entry point, run in each of its processes before a model loads: inside our
-    engine's processes, the patches that the trainer's own process has too (compat/vllm.py): the broadcast buffer
-    unlinked once mapped and, on CPU, the CPU engine's."""
-    mode = os.environ.get(ENGINE_PROCESS)
-    if mode is None:
-        return
+    """Run by our vLLM plugin (launch/engine_plugin.py) in each of the engine's processes before a model loads: the
+    patches that the trainer's own process has too (compat/vllm.py): the broadcast buffer unlinked once mapped and, on
+    CPU, the CPU engine's."""
+    mode = os.environ[ENGINE_PROCESS]
+    _end_with_parent()
     from colocated_grpo.compat import vllm as vllm_internals
 
-    _end_with_parent()
     # the engine's processes end by a signal, which skips vLLM's own unlink of its broadcast buffer
     vllm_internals.unlink_broadcast_memory_once_mapped()
     import torch

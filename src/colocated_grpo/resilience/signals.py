@@ -14,6 +14,8 @@ imported.
   running job is stopped and recorded, not orphaned.
   - with the engine in processes of its own (placement=colocate_process), `fail_when_any_ends`: when one of them
     has ended and the main thread waits on it, SIGUSR2 from a watching thread raises the error that says so there.
+- an engine's own process (placement=colocate_process), `write_stacks_when_asked`: SIGUSR1, from the trainer when
+  the engine has not started in time, writes where its threads are into the run's output before the trainer ends it.
 - the torchrun this project starts (launch/torchrun.py), `torchrun_agent`: torch's own handler passes the signal to
   the workers and waits for them; then the agent exits 128 + the signal in one line, not 1 with a traceback.
 """
@@ -187,3 +189,13 @@ def fail_when_any_ends(processes: list, error: Callable[[], BaseException], wait
     if processes:
         signal.signal(PROCESS_ENDED_SIGNAL, raise_error)
         threading.Thread(target=watch, name="watch-processes", daemon=True).start()
+
+
+def write_stacks_when_asked() -> None:
+    """In an engine's own process: on the signal the trainer sends when the engine has not started in time, write
+    every thread's stack to stderr (Python's faulthandler, which writes even while the process waits in C code)."""
+    import faulthandler
+
+    from colocated_grpo.compat.engine_worker import WRITE_STACKS_SIGNAL
+
+    faulthandler.register(WRITE_STACKS_SIGNAL, all_threads=True)
