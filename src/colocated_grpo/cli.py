@@ -24,6 +24,11 @@ COMMANDS = {
     "study": ("colocated_grpo.bench.study.__main__", [], "run DEFINITION --out DIR | report DIR: a benchmark study"),
     "bench-generate": ("colocated_grpo.bench.vllm_generate", [], "standalone vLLM generation throughput"),
     "bench-telemetry": ("colocated_grpo.bench.telemetry_overhead", [], "what the telemetry costs a training step"),
+    "bench-micro-batches": (
+        "colocated_grpo.bench.micro_batches",
+        [],
+        "one optimizer step's training in TRL's, balanced and packed micro-batches",
+    ),
     "fault-campaign": (
         "colocated_grpo.bench.fault_campaign",
         [],

@@ -1,0 +1,175 @@
+"""What a generation batch's training costs by how its micro-batches are made: the training forward and backward
+(TRL's fused LM head, log-probs of the completion tokens, a loss over them) of one optimizer step's micro-batches, on a
+random-weight model of a named shape, with completion lengths drawn from a length profile. No engine, no TRL trainer:
+the training side of `run.balance_micro_batches` and `run.pack_micro_batches` alone.
+
+    trl              TRL's micro-batches: shuffled rows, each micro-batch padded to the whole batch's longest
+    balanced         run.balance_micro_batches: similar lengths together, each micro-batch cut to its own longest
+    packed           run.pack_micro_batches on TRL's micro-batches: no padding computed
+    packed_balanced  both: packed micro-batches of about equal tokens
+
+Each variant's loss is the same sum over the same completion tokens (printed, to see that the work is the same); the
+time is the median of --repeats after one warm-up, the padding share that of the tokens the forwards compute.
+
+    python -m colocated_grpo.bench.micro_batches --shape qwen2.5-1.5b --rows 256 --micro-batches 4 --cap 256
+    python -m colocated_grpo.bench.micro_batches --shape tiny --device cpu --rows 64 --cap 128
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from statistics import median
+
+import torch
+
+from colocated_grpo.compat import micro_batches, packing
+from colocated_grpo.provenance import command_parser
+from colocated_grpo.run_files import write_json
+from colocated_grpo.training import lengths, models
+
+VARIANTS = ("trl", "balanced", "packed", "packed_balanced")
+
+
+def build_parser(prog: str | None = None):
+    parser = command_parser("colocated_grpo.bench.micro_batches", __doc__, prog)
+    parser.add_argument("--shape", default="tiny", choices=sorted(models.SHAPES), help="a random-weight Qwen2 shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rows", type=int, default=64, help="completions in one optimizer step (one rank)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches they train in")
+    parser.add_argument("--prompt", type=int, default=64, help="the longest prompt; prompts run from half of it")
+    parser.add_argument("--cap", type=int, default=256, help="max_completion_length")
+    parser.add_argument("--profile", default="realistic", choices=sorted(lengths.PROFILES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the settings and each variant's times to this file")
+    return parser
+
+
+def completion_lengths(profile: str, cap: int, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Lengths as the profile makes them (training/lengths.py): its floor, then EOS with the same chance at each
+    token, cut at the cap."""
+    floor_share, at_cap = lengths.PROFILES[profile]
+    floor = round(floor_share * cap)
+    chance = 1 - at_cap ** (1 / (cap - floor))
+    uniform = torch.rand(rows, generator=generator, dtype=torch.float64)
+    after = torch.ceil(torch.log1p(-uniform) / math.log1p(-chance)).clamp(min=1)
+    return (floor + after).clamp(max=cap).long()
+
+
+def generation_batch(args, vocab: int) -> list[dict]:
+    """TRL's micro-batches of one optimizer step: prompts padded on the left and completions on the right to the
+    longest of the whole batch, rows in random order."""
+    generator = torch.Generator().manual_seed(args.seed)
+    completion = completion_lengths(args.profile, args.cap, args.rows, generator)
+    prompt = torch.randint(args.prompt // 2, args.prompt + 1, (args.rows,), generator=generator)
+    prompt_mask = (torch.arange(int(prompt.max())) >= int(prompt.max()) - prompt[:, None]).long()
+    completion_mask = (torch.arange(int(completion.max())) < completion[:, None]).long()
+    batch = {
+        "prompt_ids": torch.randint(1, vocab, prompt_mask.shape, generator=generator) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(1, vocab, completion_mask.shape, generator=generator) * completion_mask,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(args.rows, generator=generator),
+    }
+    rows = args.rows // args.micro_batches
+    return [{key: value[k * rows : (k + 1) * rows] for key, value in batch.items()} for k in range(args.micro_batches)]
+
+
+def train_step(model, micro: list[dict], packed: bool, tokens: int) -> float:
+    """Forward and backward of each micro-batch, as TRL's training step (its fused LM head's log-probs of the
+    completion tokens); the loss summed over the step."""
+    total = 0.0
+    for batch in micro:
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        width = batch["completion_ids"].size(1)
+        if packed:
+            logps, _ = packing.per_token_logps(model, model.config, ids, mask, width, compute_entropy=False)
+        else:
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :-width] = -100
+            logps = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -width:]
+        loss = -(logps * batch["completion_mask"] * batch["advantages"][:, None]).sum() / tokens
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def _model(shape_name: str, device: str, dtype: torch.dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    shape = models.SHAPES[shape_name]
+    dimensions = {k: v for k, v in vars(shape).items() if k not in ("vocab_size", "dtype")}
+    config = Qwen2Config(
+        vocab_size=shape.vocab_size or models.TOKENIZER_VOCAB, **dimensions, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(device, dtype)
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs",))
+    packing.register()
+    return model
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main(argv=None, prog: str | None = None) -> None:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.rows % args.micro_batches:
+        parser.error(f"--rows {args.rows} is not a multiple of --micro-batches {args.micro_batches}")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = _model(args.shape, args.device, dtype)
+    trl_micro = [
+        {key: value.to(args.device) for key, value in batch.items()}
+        for batch in generation_batch(args, model.config.vocab_size)
+    ]
+    tokens = sum(int(batch["completion_mask"].sum()) for batch in trl_micro)
+    made = {
+        "trl": (trl_micro, False),
+        "balanced": (micro_batches.regroup(trl_micro, args.micro_batches, packed=False), False),
+        "packed": (trl_micro, True),
+        "packed_balanced": (micro_batches.regroup(trl_micro, args.micro_batches, packed=True), True),
+    }
+    print(
+        f"{args.shape} on {args.device} ({dtype}): {args.rows} completions in {args.micro_batches} micro-batches, "
+        f"prompts of {args.prompt // 2}-{args.prompt} tokens, completions at the {args.profile} profile of {args.cap} "
+        f"(mean {tokens / args.rows:.0f})"
+    )
+    results = {}
+    for name in VARIANTS:
+        micro, packed = made[name]
+        seconds = []
+        for _ in range(args.repeats + 1):  # the first: warm-up
+            model.zero_grad(set_to_none=True)
+            if args.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            _synchronize(args.device)
+            start = time.perf_counter()
+            loss = train_step(model, micro, packed, tokens)
+            _synchronize(args.device)
+            seconds.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
+        share = micro_batches.padding_share(micro, packed)
+        results[name] = {
+            "seconds": seconds[1:],
+            "median_s": median(seconds[1:]),
+            "loss": loss,
+            "padding_share": share,
+            "peak_gib": peak,
+        }
+        memory = f", peak {peak:.1f} GiB" if peak is not None else ""
+        print(
+            f"  {name:16s} {median(seconds[1:]):8.3f} s  ({results['trl']['median_s'] / median(seconds[1:]):.2f}x of "
+            f"trl)  padding {share:6.1%}  loss {loss:+.6f}{memory}"
+        )
+    if args.json:
+        write_json(args.json, {"settings": vars(args), "dtype": str(dtype), "tokens": tokens, "variants": results})
+
+
+if __name__ == "__main__":
+    main()
