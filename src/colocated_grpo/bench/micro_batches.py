@@ -49,9 +49,7 @@ def build_parser(prog: str | None = None):
 def completion_lengths(profile: str, cap: int, rows: int, generator: torch.Generator) -> torch.Tensor:
     """Lengths as the profile makes them (training/lengths.py): its floor, then EOS with the same chance at each
     token, cut at the cap."""
-    floor_share, at_cap = lengths.PROFILES[profile]
-    floor = round(floor_share * cap)
-    chance = 1 - at_cap ** (1 / (cap - floor))
+    floor, chance = lengths.floor_and_chance(profile, cap)
     uniform = torch.rand(rows, generator=generator, dtype=torch.float64)
     after = torch.ceil(torch.log1p(-uniform) / math.log1p(-chance)).clamp(min=1)
     return (floor + after).clamp(max=cap).long()
@@ -101,9 +99,8 @@ def _model(shape_name: str, device: str, dtype: torch.dtype):
     from trl.trainer.utils import add_fused_lm_head
 
     shape = models.SHAPES[shape_name]
-    dimensions = {k: v for k, v in vars(shape).items() if k not in ("vocab_size", "dtype")}
     config = Qwen2Config(
-        vocab_size=shape.vocab_size or models.TOKENIZER_VOCAB, **dimensions, attn_implementation="sdpa"
+        vocab_size=shape.vocab_size or models.TOKENIZER_VOCAB, **shape.dimensions(), attn_implementation="sdpa"
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(device, dtype)
@@ -112,17 +109,13 @@ def _model(shape_name: str, device: str, dtype: torch.dtype):
     return model
 
 
-def _synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def main(argv=None, prog: str | None = None) -> None:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.rows % args.micro_batches:
         parser.error(f"--rows {args.rows} is not a multiple of --micro-batches {args.micro_batches}")
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
     model = _model(args.shape, args.device, dtype)
     trl_micro = [
         {key: value.to(args.device) for key, value in batch.items()}
@@ -146,26 +139,28 @@ def main(argv=None, prog: str | None = None) -> None:
         seconds = []
         for _ in range(args.repeats + 1):  # the first: warm-up
             model.zero_grad(set_to_none=True)
-            if args.device.startswith("cuda"):
+            if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            _synchronize(args.device)
+                torch.cuda.synchronize()
             start = time.perf_counter()
             loss = train_step(model, micro, packed, tokens)
-            _synchronize(args.device)
+            if cuda:
+                torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
         share = micro_batches.padding_share(micro, packed)
+        taken = median(seconds[1:])
         results[name] = {
             "seconds": seconds[1:],
-            "median_s": median(seconds[1:]),
+            "median_s": taken,
             "loss": loss,
             "padding_share": share,
             "peak_gib": peak,
         }
         memory = f", peak {peak:.1f} GiB" if peak is not None else ""
         print(
-            f"  {name:16s} {median(seconds[1:]):8.3f} s  ({results['trl']['median_s'] / median(seconds[1:]):.2f}x of "
-            f"trl)  padding {share:6.1%}  loss {loss:+.6f}{memory}"
+            f"  {name:16s} {taken:8.3f} s  ({results['trl']['median_s'] / taken:.2f}x of trl)  padding {share:6.1%}  "
+            f"loss {loss:+.6f}{memory}"
         )
     if args.json:
         write_json(args.json, {"settings": vars(args), "dtype": str(dtype), "tokens": tokens, "variants": results})

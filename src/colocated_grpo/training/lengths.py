@@ -67,6 +67,14 @@ class LengthProfile:
         )
 
 
+def floor_and_chance(name: str, cap: int) -> tuple[int, float]:
+    """Profile `name` for completions of at most `cap` tokens: the tokens every completion runs at least, and the
+    chance of EOS at each later token that leaves the profile's share at the cap."""
+    floor, at_cap = PROFILES[name]
+    min_tokens = round(floor * cap)
+    return min_tokens, 1 - at_cap ** (1 / (cap - min_tokens))
+
+
 @functools.cache  # GRPOConfig's request and run.json's record: one tokenizer load
 def resolve(name: str, cap: int, temperature: float, model_path: str, vocab_size: int) -> LengthProfile:
     """The profile `name` for completions of at most `cap` tokens sampled at `temperature` from the model at
@@ -74,10 +82,8 @@ def resolve(name: str, cap: int, temperature: float, model_path: str, vocab_size
     the one vLLM stops at and TRL counts as an ending."""
     from transformers import AutoTokenizer
 
-    floor, at_cap = PROFILES[name]
     eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
-    min_tokens = round(floor * cap)
-    chance = 1 - at_cap ** (1 / (cap - min_tokens))
+    min_tokens, chance = floor_and_chance(name, cap)
     # EOS's chance with its logit raised by b / temperature and vocab_size - 1 equal others: e^(b/T) / (e^(b/T) + V - 1)
     bias = temperature * math.log(chance * (vocab_size - 1) / (1 - chance))
     profile = LengthProfile(name, int(eos), cap, min_tokens, chance, round(bias, 4))

@@ -35,6 +35,10 @@ class Shape:
     max_position_embeddings: int = 32768
     dtype: str = "bfloat16"  # of the written weights
 
+    def dimensions(self) -> dict:
+        """Qwen2Config's arguments for the layers (the vocabulary is the tokenizer's where `vocab_size` is None)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("vocab_size", "dtype")}
+
 
 # Real Qwen2.5 shapes (from the published config.json files); throughput depends on shapes, not weights.
 # The tiny model keeps head_dim 64: the CPU attention kernel of vLLM rejects head_dim 16.
@@ -163,7 +167,7 @@ def _write_model(shape: Shape, out: Path) -> None:
 
     tokenizer = build_tokenizer(shape.vocab_size)
     tokenizer.save_pretrained(out)
-    dimensions = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("vocab_size", "dtype")}
+    dimensions = shape.dimensions()
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id  # <|endoftext|> (also the text's start), <|im_end|>
     ids = {"bos_token_id": pad, "eos_token_id": eos, "pad_token_id": pad}
     config = Qwen2Config(
