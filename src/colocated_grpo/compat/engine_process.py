@@ -44,13 +44,27 @@ def engine_arguments() -> dict:
     return kwargs
 
 
+# The trainer's place in torchrun's world, which the engine's processes must not inherit: they form a world of their
+# own (one process, on loopback). With TORCHELASTIC_USE_AGENT_STORE=True (set by torchrun, and by training/build.py for
+# one process) torch joins a rendezvous at `tcp://` as a client of a store that nobody hosts, and waits for ever
+# (vLLM 0.24's worker rendezvouses over `tcp://`).
+TRAINER_WORLD_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_", "MASTER_")
+TRAINER_WORLD = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"})
+
+
+def trainer_world(environ) -> list[str]:
+    """The names in `environ` that place a process in the trainer's torchrun world."""
+    return sorted(name for name in environ if name in TRAINER_WORLD or name.startswith(TRAINER_WORLD_PREFIXES))
+
+
 def engine_environment(cpu_eager: bool, start_timeout_s: float):
     """A context manager factory: the environment the engine's processes start in, set while TRL builds the engine and
-    restored after (they inherit it when spawned); an engine not started within `start_timeout_s` is ended and
-    reported."""
+    restored after (they inherit it when spawned): the trainer's, less its place in torchrun's world, on loopback; an
+    engine not started within `start_timeout_s` is ended and reported."""
     values = {
         engine_worker.ENGINE_PROCESS: "eager" if cpu_eager else "compiled",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process (external_launcher turns it off)
+        "VLLM_HOST_IP": "127.0.0.1",  # its world of one rendezvouses on loopback
     }
     if torch.cuda.is_available():
         values["CUDA_VISIBLE_DEVICES"] = _physical_device(torch.cuda.current_device())  # the rank's GPU alone
@@ -58,7 +72,10 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
 
     @contextlib.contextmanager
     def environment():
-        saved = {name: os.environ.get(name) for name in values}
+        removed = trainer_world(os.environ)
+        saved = {name: os.environ.get(name) for name in [*values, *removed]}
+        for name in removed:
+            del os.environ[name]
         os.environ.update(values)
         # vLLM's own start-up deadline (VLLM_ENGINE_READY_TIMEOUT_S) is read once, when vLLM is imported: ours ends
         # the engine's processes instead, and vLLM's start-up then fails
