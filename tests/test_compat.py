@@ -74,3 +74,17 @@ def test_colocated_engines_get_the_extra_arguments_over_trls_own(monkeypatch):
     trl_internals.build_colocated_engines_with(enforce_eager=True)
     vllm_generation.LLM(model="m", enforce_eager=False, max_num_batched_tokens=4096)
     assert built == [{"model": "m", "enforce_eager": True, "max_num_batched_tokens": 4096}]
+
+
+def test_a_checkpoint_loads_onto_an_indexed_cpu_device(tmp_path):
+    """A multi-rank CPU run resumes its optimizer's state with map_location cpu:<rank> (accelerate's device), which
+    torch 2.11 does not restore by itself."""
+    import torch
+
+    from colocated_grpo.compat.torch_checkpoints import restore_indexed_cpu_locations
+
+    path = tmp_path / "optimizer.pt"
+    torch.save({"exp_avg": torch.arange(3.0)}, path)
+    restore_indexed_cpu_locations()
+    loaded = torch.load(path, map_location=torch.device("cpu", 1), weights_only=True)
+    assert loaded["exp_avg"].tolist() == [0.0, 1.0, 2.0]
