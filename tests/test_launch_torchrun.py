@@ -25,16 +25,13 @@ signal.signal(signal.SIGINT, stop)
 print("worker ready", flush=True)
 time.sleep(120)
 """
-# Our torchrun on an agent that closes its workers as torch 2.11's does: LocalElasticAgent._shutdown takes no
-# timeout and calls PContext.close(death_sig), which waits 30 s; 1 s here, to keep the test short.
-AS_ON_TORCH_2_11 = """
-import signal, sys
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+# Our torchrun on torch's own agent (torch 2.11's LocalElasticAgent._shutdown calls PContext.close(death_sig) without a
+# timeout), with torch's default wait of 30 s shortened to 1 s to keep the test short.
+SHORT_DEFAULT = """
+import sys
+from torch.distributed.elastic.multiprocessing.api import PContext
 from colocated_grpo.launch import torchrun
-def shutdown(self, death_sig=signal.SIGTERM, timeout=None):
-    if self._pcontext:
-        self._pcontext.close(death_sig, 1)
-LocalElasticAgent._shutdown = shutdown
+PContext.close.__defaults__ = (None, 1)
 sys.exit(torchrun.main())
 """
 
@@ -55,11 +52,11 @@ def _environment() -> dict:
 
 @pytest.mark.parametrize("grace_s", [8, None], ids=["grace", "torch_default"])
 def test_torchrun_gives_its_workers_the_grace_even_where_torch_gives_its_own_default(tmp_path, grace_s):
-    """The worker needs 3 s to save; the agent's own timeout, as torch 2.11 passes it, is 1 s (for 30 s). With the
-    caller's grace of 8 s the worker saves; without it (the check that the stand-in bites) it is killed unsaved."""
-    worker, driver, log = tmp_path / "worker.py", tmp_path / "torch_2_11.py", tmp_path / "log"
+    """The worker needs 3 s to save; torch's agent waits its default, 1 s here (30 s in torch). With the caller's
+    grace of 8 s the worker saves; without it (the check that the short default bites) it is killed unsaved."""
+    worker, driver, log = tmp_path / "worker.py", tmp_path / "short_default.py", tmp_path / "log"
     worker.write_text(WORKER)
-    driver.write_text(AS_ON_TORCH_2_11)
+    driver.write_text(SHORT_DEFAULT)
     args = processes.torchrun_command(1, ["3"], worker)[3:]  # after `python -m colocated_grpo.launch.torchrun`
     code = _stopped([sys.executable, str(driver), *args], log, _environment(), grace_s, signal.SIGTERM)
     output = log.read_text()

@@ -1,5 +1,5 @@
 """torchrun's agent (torch.distributed.elastic): how long it waits for its workers after a stop signal. Written for
-torch 2.11.0 (GPU) and 2.13.0 (CPU); docs/resilience.md says which torch reads which setting."""
+torch 2.11.0 (the GPU and CPU pin) and 2.12; docs/resilience.md says which torch reads which setting."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ def honour_shutdown_timeout(grace_s: int | None) -> None:
     if grace_s is None:
         return
     close = PContext.close
+    torch_default_s = close.__defaults__[-1]  # the timeout torch waits when none is given (30 s)
 
-    def close_after_the_grace(self, death_sig=None, timeout: int = 30) -> None:
-        close(self, death_sig, max(timeout, grace_s))
+    def close_after_the_grace(self, death_sig=None, timeout: int | None = None) -> None:
+        close(self, death_sig, max(torch_default_s if timeout is None else timeout, grace_s))
 
     PContext.close = close_after_the_grace
