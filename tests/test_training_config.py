@@ -479,3 +479,16 @@ def test_the_engine_in_its_own_process_refuses_what_it_does_not_support_before_a
     ):
         assert line in said, said
     validate(compose_train("placement=colocate_process"))  # its defaults pass
+
+
+def test_overlap_refuses_to_train_off_policy_without_the_importance_sampling_correction():
+    said = config_problems(
+        "placement=colocate_process", "placement.overlap=true", "+trainer.vllm_importance_sampling_correction=false"
+    )
+    assert "set trainer.vllm_importance_sampling_correction=true" in said, said
+
+
+@pytest.mark.parametrize("value", ["off", "no", "flase", "maybe"])
+def test_a_placement_switch_that_is_not_a_boolean_is_refused(value):
+    said = config_problems("placement=colocate_process", f"placement.overlap={value}")
+    assert f"placement.overlap={value!r} must be true or false" in said, said

@@ -54,9 +54,22 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
             "loaded into vLLM at once, e.g. 1.0)"
         )
     problems += backend_problems(cfg)
-    problems += engine_process_problems(cfg)
+    problems += placement_switch_problems(cfg) or engine_process_problems(cfg)
     if problems:
         raise ConfigError(problems)
+
+
+# The placement group's switches: a value Hydra reads as a string ("off", "no") must not turn one on
+PLACEMENT_SWITCHES = ("engine_process", "overlap", "fast_outputs", "fast_sync", "one_forward", "cpu_eager")
+PLACEMENT_SWITCHES += ("model_runner_v2",)
+
+
+def placement_switch_problems(cfg: DictConfig) -> list[str]:
+    return [
+        f"placement.{key}={value!r} must be true or false"
+        for key in PLACEMENT_SWITCHES
+        if (value := cfg.placement.get(key)) is not None and not isinstance(value, bool)
+    ]
 
 
 def engine_process_problems(cfg: DictConfig) -> list[str]:
@@ -78,6 +91,11 @@ def engine_process_problems(cfg: DictConfig) -> list[str]:
         problems.append(
             "placement.overlap=true generates while training runs, so the engine cannot sleep: set "
             "trainer.vllm_enable_sleep_mode=false"
+        )
+    if cfg.placement.get("overlap") and cfg.trainer.get("vllm_importance_sampling_correction") is False:
+        problems.append(
+            "placement.overlap=true trains on batches sampled by the policy of one step before, which TRL's "
+            "importance-sampling correction accounts for: set trainer.vllm_importance_sampling_correction=true"
         )
     return problems
 
