@@ -140,3 +140,31 @@ def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leavin
     assert "compat/engine_process.py" not in job.output and "vllm/v1" not in job.output, "no frame of ours or vLLM's"
     assert job.steps()[:2] == [1, 2], "both ranks trained until then"
     assert_none_left(pids)
+
+
+@pytest.mark.e2e  # a process that imports vLLM
+@pytest.mark.parametrize("where", ["trainer", "engine"])
+def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_alone(where):
+    """vLLM runs its plugins in the trainer's process too, while the engine's environment is set: there ours must not
+    bind the trainer to its parent's death (a trainer under `docker run --init` or tini, whose parent is PID 1, was
+    stopped before its first step). In a process of the engine it binds it (the engine ends with the trainer)."""
+    import subprocess
+    import sys
+
+    from colocated_grpo.compat import engine_worker
+
+    trainer_pid = "os.getpid()" if where == "trainer" else "os.getppid()"
+    script = (
+        "import ctypes, os\n"
+        f"os.environ[{engine_worker.ENGINE_PROCESS!r}] = 'eager'\n"
+        f"os.environ[{engine_worker.TRAINER_PID!r}] = str({trainer_pid})\n"
+        "from colocated_grpo.launch import engine_plugin\n"
+        "engine_plugin.load()\n"
+        "signal_number = ctypes.c_int()\n"
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(signal_number))  # PR_GET_PDEATHSIG\n"
+        "print('parent death signal', signal_number.value)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = 0 if where == "trainer" else signal.SIGTERM
+    assert f"parent death signal {int(expected)}" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -58,6 +58,7 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
     engine not started within `start_timeout_s` is ended and reported."""
     values = {
         engine_worker.ENGINE_PROCESS: "eager" if cpu_eager else "compiled",
+        engine_worker.TRAINER_PID: str(os.getpid()),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process (external_launcher turns it off)
         "VLLM_HOST_IP": "127.0.0.1",  # its world of one rendezvouses on loopback
     }

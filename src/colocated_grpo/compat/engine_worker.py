@@ -11,12 +11,21 @@ import signal
 # Set by the trainer while it builds its engine (the engine's processes inherit it): "eager" or "compiled", the
 # engine's compilation on CPU (placement.cpu_eager). Unset, the plugin does nothing: other vLLM users are untouched.
 ENGINE_PROCESS = "COLOCATED_GRPO_ENGINE_PROCESS"
+# The trainer's pid, set beside it: vLLM also runs its plugins in the trainer's own process (EngineArgs.__post_init__)
+# while that environment is set, and the plugin must leave the trainer alone.
+TRAINER_PID = "COLOCATED_GRPO_TRAINER_PID"
 WORKER_EXTENSION = f"{__name__}.PolicyWorker"
 # The trainer sends it to the engine's processes that have not started in time (resilience/signals.py's
 # write_stacks_when_asked, run by our vLLM plugin, has each write its stacks on it).
 WRITE_STACKS_SIGNAL = signal.SIGUSR1
 # The device index among torch's rebuild_cuda_tensor arguments (torch.multiprocessing.reductions.reduce_tensor)
 STORAGE_DEVICE = 6
+
+
+def in_engine_process() -> bool:
+    """Whether this process is one of the engine's (started while the trainer built its engine), not the trainer."""
+    trainer = os.environ.get(TRAINER_PID)
+    return os.environ.get(ENGINE_PROCESS) is not None and trainer is not None and int(trainer) != os.getpid()
 
 
 def apply_patches() -> None:

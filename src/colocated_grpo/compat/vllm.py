@@ -50,7 +50,7 @@ def prepare_cpu() -> None:
     from vllm.model_executor.layers import utils
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "live_weights", False):
-        return  # applied already (the engine process's plugin also runs in the trainer's: compat/engine_worker.py)
+        return  # applied already
 
     def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
         layer.cpu_linear = torch.nn.functional.linear
