@@ -5,6 +5,7 @@ and leaves no process behind however the run ends."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -19,7 +20,9 @@ from conftest import (
     assert_weights_reach_the_engine,
 )
 
-PROCESS = ("placement=colocate_process",)
+# An engine that does not start (on vLLM 0.24 the engine's process waited for ever in its `tcp://` rendezvous while it
+# inherited torchrun's TORCHELASTIC_USE_AGENT_STORE) fails the run in one line within 2 minutes, not vLLM's 10
+PROCESS = ("placement=colocate_process", "placement.engine_start_timeout_s=120")
 # conftest's moving run (a policy that moves every step, its sync off from step 6), with the engine's weights compared
 # with the trainer's at every step (tests/plugins/engine_weights.py)
 WEIGHTS_COMPARED = (
@@ -168,3 +171,29 @@ def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_a
     assert done.returncode == 0, done.stderr[-3000:]
     expected = 0 if where == "trainer" else signal.SIGTERM
     assert f"parent death signal {int(expected)}" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_the_engine_s_processes_start_outside_the_trainer_s_torchrun_world(monkeypatch):
+    """While TRL builds the engine (its processes inherit the environment then), none of torchrun's variables are set,
+    and all are back after."""
+    from colocated_grpo.compat import engine_process
+
+    trainer_world = {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "none",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "ROLE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    for name, value in trainer_world.items():
+        monkeypatch.setenv(name, value)
+    with engine_process.engine_environment(cpu_eager=True, start_timeout_s=60)():
+        inherited = {name: os.environ[name] for name in trainer_world if name in os.environ}
+        host = os.environ.get("VLLM_HOST_IP")
+    assert inherited == {} and host == "127.0.0.1"
+    assert {name: os.environ.get(name) for name in trainer_world} == trainer_world

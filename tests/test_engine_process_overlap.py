@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import Job
+from test_engine_process import PROCESS
 
 from colocated_grpo.resilience import checkpoints
 from colocated_grpo.run_files import read_json
 
 OVERLAP = (
-    "placement=colocate_process",
+    *PROCESS,
     "placement.overlap=true",
     "trainer.max_steps=5",
     "trainer.save_steps=2",
