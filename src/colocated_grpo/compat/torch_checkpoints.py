@@ -5,15 +5,15 @@ torch 2.11.0; later torch accepts the index itself."""
 
 from __future__ import annotations
 
+import functools
+
 PRIORITY = 11  # after torch's own CPU entry (10), which takes "cpu" alone
 
 
+@functools.cache  # once per process
 def restore_indexed_cpu_locations() -> None:
-    """Let torch.load restore storages onto "cpu:N" as onto "cpu" (the same memory). Once per process."""
+    """Let torch.load restore storages onto "cpu:N" as onto "cpu" (the same memory); other locations are torch's."""
     import torch
-
-    if getattr(torch.serialization, "_indexed_cpu_restored", False):
-        return
 
     def tag(obj):
         return None  # saving is unchanged: this entry only restores
@@ -22,4 +22,3 @@ def restore_indexed_cpu_locations() -> None:
         return obj if location.startswith("cpu:") else None
 
     torch.serialization.register_package(PRIORITY, tag, restore)
-    torch.serialization._indexed_cpu_restored = True

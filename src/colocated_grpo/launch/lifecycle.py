@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from colocated_grpo import provenance, run_files
 from colocated_grpo.compat import hydra as hydra_internals
 from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.compat.torch_checkpoints import restore_indexed_cpu_locations
 from colocated_grpo.launch import collector, server_placement
 from colocated_grpo.resilience import (
     attempts,
@@ -152,6 +153,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
             build.add_callbacks(trainer, cfg, run_dir, stopper)
             if stopper.signum is None:  # no SIGTERM or Ctrl-C came while the model and the engine loaded
                 checkpoint = resume.checkpoint
+                if checkpoint:  # transformers loads the optimizer's state onto accelerate's device, cpu:<rank> on CPU
+                    restore_indexed_cpu_locations()
                 trainer.train(resume_from_checkpoint=str(checkpoint.path) if checkpoint else None)
         interrupted = attempts.interruption(stopper, trainer.state, run_dir, resume_command)
         if interrupted is None and trainer.state.global_step == 0:

@@ -164,10 +164,6 @@ def prepare_environment(cfg: DictConfig) -> None:
 
         extra.update(engine_process.engine_arguments())
         around = engine_process.engine_environment(bool(cfg.placement.cpu_eager), cfg.placement.engine_start_timeout_s)
-    if not torch.cuda.is_available():
-        from colocated_grpo.compat.torch_checkpoints import restore_indexed_cpu_locations
-
-        restore_indexed_cpu_locations()  # a multi-rank CPU run resumes its optimizer's state onto cpu:<rank>
     if not torch.cuda.is_available() and cfg.trainer.get("use_vllm"):
         from colocated_grpo.compat import vllm as vllm_internals
 

@@ -60,8 +60,15 @@ def validate(cfg: DictConfig, world: int | None = None) -> None:
 
 
 # The placement group's switches: a value Hydra reads as a string ("off", "no") must not turn one on
-PLACEMENT_SWITCHES = ("engine_process", "overlap", "fast_outputs", "fast_sync", "one_forward", "cpu_eager")
-PLACEMENT_SWITCHES += ("model_runner_v2",)
+PLACEMENT_SWITCHES = (
+    "engine_process",
+    "overlap",
+    "fast_outputs",
+    "fast_sync",
+    "one_forward",
+    "cpu_eager",
+    "model_runner_v2",
+)
 
 
 def placement_switch_problems(cfg: DictConfig) -> list[str]:
