@@ -18,7 +18,11 @@ from conftest import (
     Job,
     assert_same_rollouts_and_training,
     assert_weights_reach_the_engine,
+    compose_train,
+    run_environment,
 )
+
+from colocated_grpo.resilience import checkpoints
 
 # An engine that does not start (on vLLM 0.24 the engine's process waited for ever in its `tcp://` rendezvous while it
 # inherited torchrun's TORCHELASTIC_USE_AGENT_STORE) fails the run in one line within 2 minutes, not vLLM's 10
@@ -39,14 +43,22 @@ def engine_pids(output: str) -> list[int]:
     return [int(pid) for listed in ENGINE_LINE.findall(output) for pid in re.findall(r"pid (\d+)", listed)]
 
 
-def assert_none_left(pids: list[int], within_s: float = 20.0) -> None:
-    """Every process of `pids` ends within `within_s`."""
+def assert_none_left(pids: list[int], within_s: float = 1.0) -> None:
+    """Every process of `pids` has ended within `within_s` (a zombie has: it waits only to be reaped by init)."""
     deadline = time.monotonic() + within_s
     alive = pids
     while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).name().startswith("VLLM::")]
+        time.sleep(0.1)
+        alive = [pid for pid in pids if _running_engine_process(pid)]
     assert not alive, f"engine processes left behind: {alive}"
+
+
+def _running_engine_process(pid: int) -> bool:
+    try:
+        process = psutil.Process(pid)
+        return process.name().startswith("VLLM::") and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +157,83 @@ def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leavin
     assert_none_left(pids)
 
 
+# Python starts it in every process of the run: in the trainer's, the Nth call of WHERE (the sync's sending of the
+# weights, or a generation's requests) first sends SIGNAL to TO (the trainer's process group, as a terminal's Ctrl-C
+# does, or its parent, the torchrun agent, which passes it on to its worker's group)
+STOP_IN_STEP = """\
+import importlib.abc, importlib.util, os, signal, sys
+
+WHERE, SIGNAL, TO, AT_CALL = {where!r}, signal.{signal}, {to!r}, 2
+
+def signalled_first(original):
+    calls = []
+
+    def signal_then_call(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == AT_CALL:
+            os.killpg(os.getpgid(0), SIGNAL) if TO == "group" else os.kill(os.getppid(), SIGNAL)
+        return original(*args, **kwargs)
+
+    return signal_then_call
+
+class Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "colocated_grpo.compat.engine_process":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            owner = module if WHERE == "send_weights" else module.EngineProcessGeneration
+            setattr(owner, WHERE, signalled_first(getattr(owner, WHERE)))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+if "COLOCATED_GRPO_ENGINE_PROCESS" not in os.environ:
+    sys.meta_path.insert(0, Hook())
+"""
+
+
+@pytest.mark.parametrize(
+    ("where", "stop", "to", "nproc"),
+    [
+        ("send_weights", signal.SIGINT, "group", None),  # Ctrl-C in the terminal of a `python train.py`, in the sync
+        ("_generate_requests", signal.SIGTERM, "agent", 1),  # torchrun stopped, in a generation
+    ],
+    ids=["ctrl_c_in_the_sync", "torchrun_sigterm_in_a_generation"],
+)
+def test_a_stop_in_a_sync_or_a_generation_finishes_the_step_saves_it_and_leaves_no_engine(
+    model_cache, tmp_path, where, stop, to, nproc
+):
+    """The engine's processes leave a stop to the trainer: neither the terminal's Ctrl-C to the process group nor
+    torchrun's SIGTERM to its worker's group ends them, so the step in which the signal came finishes, is saved, and
+    the run exits 128 + the signal; the engine ends with the trainer, within a second."""
+    (tmp_path / "sitecustomize.py").write_text(STOP_IN_STEP.format(where=where, signal=stop.name, to=to))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), run_environment(model_cache)["PYTHONPATH"]])}
+    run_dir = tmp_path / "run"
+    overrides = (*PROCESS, "trainer.max_steps=4", "trainer.save_strategy=no", "logger=none")
+    job = Job(run_dir, model_cache, *overrides, nproc=nproc, env=env)
+    code = job.wait()
+    pids = engine_pids(job.output)
+    assert code == 128 + stop, job.output[-4000:]
+    assert job.steps() == [1, 2] and checkpoints.latest(run_dir).step == 2, job.output[-4000:]
+    said = f"training stopped by {stop.name} after step 2 of 4: checkpoint saved to {run_dir / 'checkpoint-2'}"
+    assert said in job.output
+    assert "EngineProcessDied" not in job.output
+    assert len(pids) == 2
+    assert_none_left(pids)
+
+
 @pytest.mark.e2e  # a process that imports vLLM
 @pytest.mark.parametrize("where", ["trainer", "engine"])
 def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_alone(where):
     """vLLM runs its plugins in the trainer's process too, while the engine's environment is set: there ours must not
     bind the trainer to its parent's death (a trainer under `docker run --init` or tini, whose parent is PID 1, was
-    stopped before its first step). In a process of the engine it binds it (the engine ends with the trainer)."""
+    stopped before its first step) nor touch its signals. In a process of the engine it binds it (the engine ends with
+    the trainer) and leaves stops to the trainer (a process group of its own, SIGINT and SIGTERM ignored)."""
     import subprocess
     import sys
 
@@ -166,11 +249,16 @@ def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_a
         "signal_number = ctypes.c_int()\n"
         "ctypes.CDLL(None).prctl(2, ctypes.byref(signal_number))  # PR_GET_PDEATHSIG\n"
         "print('parent death signal', signal_number.value)\n"
+        "import signal\n"
+        "print('own process group', os.getpgid(0) != os.getpgid(os.getppid()))\n"
+        "print('stops ignored', all(signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = 0 if where == "trainer" else signal.SIGTERM
+    in_engine = where == "engine"
+    expected = signal.SIGKILL if in_engine else 0
     assert f"parent death signal {int(expected)}" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert f"own process group {in_engine}" in done.stdout and f"stops ignored {in_engine}" in done.stdout
 
 
 def test_the_engine_s_processes_start_outside_the_trainer_s_torchrun_world(monkeypatch):
@@ -197,3 +285,30 @@ def test_the_engine_s_processes_start_outside_the_trainer_s_torchrun_world(monke
         host = os.environ.get("VLLM_HOST_IP")
     assert inherited == {} and host == "127.0.0.1"
     assert {name: os.environ.get(name) for name in trainer_world} == trainer_world
+
+
+class CallbackList(list):
+    """What add_callbacks needs of a trainer, beside its engine wrapper."""
+
+    add_callback, remove_callback = list.append, lambda self, callback: None
+
+
+def test_an_engine_that_ends_after_a_stop_request_is_that_stop_not_a_failure(tmp_path):
+    """A signal sent to every process of a job (SLURM's) that the engine's processes did not survive: where the
+    trainer waits on them, their end is the stop the signal asked for (exit 128 + the signal, saying the step was
+    cut), not the failure an engine's death is otherwise."""
+    from colocated_grpo.compat.engine_process import EngineProcessDied, EngineProcessGeneration
+    from colocated_grpo.resilience.preemption import StopOnSignal
+    from colocated_grpo.resilience.signals import StoppedAtOnce
+    from colocated_grpo.training import build
+
+    stopper, trainer = StopOnSignal(), CallbackList()
+    trainer.vllm_generation = object.__new__(EngineProcessGeneration)
+    build.add_callbacks(
+        trainer, compose_train("placement=colocate_process", "telemetry.enabled=false"), tmp_path, stopper
+    )
+    assert isinstance(trainer.vllm_generation.engine_ended(), EngineProcessDied)
+    stopper._handle(signal.SIGTERM, None)
+    stop = trainer.vllm_generation.engine_ended()
+    assert isinstance(stop, StoppedAtOnce) and stop.code == 143
+    assert str(stop).startswith("SIGTERM received, then the generation engine's process ended: stopped in step 1,")

@@ -213,6 +213,13 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
     policy_step = None  # () -> the trainer step whose weights the engine holds (set by the trainer)
     in_flight: InFlight | None = None
     returned: InFlight | None = None  # overlap: the generation the last generate() returned, if it ran ahead
+    stopped = None  # () -> the error that ends a run a signal asked to stop, else None (set by training/build.py)
+
+    def engine_ended(self) -> BaseException:
+        """The error raised where the main thread waits on an engine that ended: the stop, when a signal had asked the
+        run to stop (one sent to every process of the job reaches the engine's too), else the line that names the
+        engine's processes."""
+        return (self.stopped and self.stopped()) or died()
 
     @contextlib.contextmanager
     def waiting_on_engine(self):
@@ -225,7 +232,7 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
         try:
             yield
         except EngineDeadError as exc:
-            raise died() from exc
+            raise self.engine_ended() from exc
         finally:
             self.waiting = False
 

@@ -1,7 +1,7 @@
 """What we know of vLLM's internals: the CPU engine's patches (`prepare_cpu`, `run_eagerly`), the shared memory of a
-tensor-parallel engine's broadcasts (`unlink_broadcast_memory_once_mapped`, CPU and CUDA builds alike) and the text of
-its start-up memory errors (`memory_failure`), which vLLM raises as plain RuntimeErrors. CUDA builds are otherwise
-untouched."""
+tensor-parallel engine's broadcasts (`unlink_broadcast_memory_once_mapped`, CPU and CUDA builds alike), where an
+engine core in its own process starts its loop (`call_where_engine_core_loop_starts`) and the text of its start-up
+memory errors (`memory_failure`), which vLLM raises as plain RuntimeErrors. CUDA builds are otherwise untouched."""
 
 from __future__ import annotations
 
@@ -97,6 +97,26 @@ def unlink_broadcast_memory_once_mapped() -> None:
 
     wait_then_unlink.unlinks_when_mapped = True
     MessageQueue.wait_until_ready = wait_then_unlink
+
+
+def call_where_engine_core_loop_starts(callback) -> None:
+    """In an engine core's process (vLLM's EngineCoreProc): `callback()` where its busy loop starts, after
+    run_engine_core installed its own SIGINT and SIGTERM handlers (which is after vLLM ran our plugin)."""
+    import functools
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    busy_loop = EngineCoreProc.run_busy_loop
+    if getattr(busy_loop, "first_calls", None) is callback:
+        return  # applied already
+
+    @functools.wraps(busy_loop)
+    def run_busy_loop(self):
+        callback()
+        return busy_loop(self)
+
+    run_busy_loop.first_calls = callback
+    EngineCoreProc.run_busy_loop = run_busy_loop
 
 
 def run_eagerly() -> dict:

@@ -1,12 +1,13 @@
 """vLLM's `vllm.general_plugins` entry point (pyproject.toml), which vLLM runs in each of its processes: in the
 engine's own processes of placement=colocate_process (their environment says so; not in the trainer's, where vLLM
-runs it too), each writes its stacks when the trainer asks (resilience/signals.py) and gets our engine patches
-(compat/engine_worker.py); elsewhere it does nothing, so other vLLM users are untouched. Light to import: no torch,
-TRL or vLLM."""
+runs it too), each writes its stacks when the trainer asks and leaves stops to the trainer (resilience/signals.py),
+and gets our engine patches (compat/engine_worker.py); elsewhere it does nothing, so other vLLM users are untouched.
+Light to import: no torch, TRL or vLLM."""
 
 from __future__ import annotations
 
 from colocated_grpo.compat import engine_worker
+from colocated_grpo.compat import vllm as vllm_internals
 from colocated_grpo.resilience import signals
 
 
@@ -14,4 +15,6 @@ def load() -> None:
     if not engine_worker.in_engine_process():  # other vLLM users, and the trainer's own process
         return
     signals.write_stacks_when_asked()  # where it waits, should it not start in time
+    signals.leave_stops_to_the_trainer()
+    vllm_internals.call_where_engine_core_loop_starts(signals.leave_stops_to_the_trainer)  # after vLLM's own handlers
     engine_worker.apply_patches()

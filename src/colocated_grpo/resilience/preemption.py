@@ -63,6 +63,18 @@ class StopOnSignal(TrainerCallback):
             "the same command resumes from the latest checkpoint",
         )
 
+    def stop_in_step(self, why: str) -> StoppedAtOnce | None:
+        """Where the step in progress cannot finish (`why` says what ended it) after a signal asked to stop: that
+        stop, at once; None when no signal came."""
+        if self.signum is None:
+            return None
+        name = signal.Signals(self.signum).name
+        return StoppedAtOnce(
+            self.signum,
+            f"{name} received, then {why}: stopped in step {self._steps_done + 1}, without a checkpoint of it; "
+            "the same command resumes from the latest checkpoint",
+        )
+
     def on_step_end(self, args, state, control, **kwargs):
         self._steps_done = state.global_step
         # any rank's signal, the same on every rank (a gather: itself on one process)

@@ -59,7 +59,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         from colocated_grpo.compat import engine_process
 
         generation = trainer.vllm_generation
-        signals.fail_when_any_ends(engine_process.started_processes(), engine_process.died, lambda: generation.waiting)
+        processes = engine_process.started_processes()
+        signals.fail_when_any_ends(processes, generation.engine_ended, lambda: generation.waiting)
     return trainer
 
 
@@ -79,6 +80,9 @@ def add_callbacks(trainer, cfg: DictConfig, run_dir: Path, stopper: preemption.S
     if t.profile_step:
         trainer.add_callback(ProfileStep(trainer, run_dir, int(t.profile_step), run_files.is_main_process()))
     trainer.add_callback(stopper)
+    if cfg.placement.get("engine_process"):  # its engine ending after a stop request is that stop, not a failure
+        ended = "the generation engine's process ended"
+        trainer.vllm_generation.stopped = functools.partial(stopper.stop_in_step, ended)
     if cfg.run.stop_on_nonfinite:
         trainer.add_callback(preemption.StopOnNonFinite())
 
