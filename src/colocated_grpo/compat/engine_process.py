@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import pickle
+import tempfile
 import threading
 import time
 
@@ -67,6 +68,9 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
 
     @contextlib.contextmanager
     def environment():
+        descriptor, start_error = tempfile.mkstemp(prefix="colocated-grpo-engine-start-", suffix=".txt")
+        os.close(descriptor)
+        values[engine_worker.START_ERROR_FILE] = start_error
         removed = trainer_world(os.environ)
         saved = {name: os.environ.get(name) for name in [*values, *removed]}
         for name in removed:
@@ -89,9 +93,12 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
                     f"{start_timeout_s:g} s (where its processes were then is written above, from each that had "
                     "loaded vLLM's plugins); raise it where the machine is slow to load the model"
                 ) from exc
+            if error := _start_error(start_error):
+                raise EngineProcessDied(f"the generation engine's process failed to start: {error}") from exc
             raise
         finally:
             timer.cancel()
+            os.unlink(start_error)
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
@@ -100,6 +107,18 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
         started_processes()
 
     return environment
+
+
+def _start_error(path: str) -> str | None:
+    """The error the engine's processes logged as their start-up failed (compat/engine_worker.py writes each, its
+    innermost cause first): a memory failure where one is among them (training/build.py explains it in terms of our
+    keys), else the first."""
+    from colocated_grpo.compat import vllm as vllm_internals
+
+    with open(path) as file:
+        lines = list(dict.fromkeys(line.strip() for line in file if line.strip()))
+    memory = [line for line in lines if any(p.search(line) for p in vllm_internals.MEMORY_ERRORS)]
+    return (memory or lines or [None])[0]
 
 
 def _end_engine_processes(earlier: set[int], passed: threading.Event) -> None:

@@ -14,6 +14,9 @@ ENGINE_PROCESS = "COLOCATED_GRPO_ENGINE_PROCESS"
 # The trainer's pid, set beside it: vLLM also runs its plugins in the trainer's own process (EngineArgs.__post_init__)
 # while that environment is set, and the plugin must leave the trainer alone.
 TRAINER_PID = "COLOCATED_GRPO_TRAINER_PID"
+# Set beside it: a file into which the engine's processes write the error that stopped their start-up (the trainer sees
+# only vLLM's "Engine core initialization failed. See root cause above")
+START_ERROR_FILE = "COLOCATED_GRPO_ENGINE_START_ERROR"
 WORKER_EXTENSION = f"{__name__}.PolicyWorker"
 # The trainer sends it to the engine's processes that have not started in time (resilience/signals.py's
 # write_stacks_when_asked, run by our vLLM plugin, has each write its stacks on it).
@@ -28,13 +31,17 @@ def in_engine_process() -> bool:
     return os.environ.get(ENGINE_PROCESS) is not None and trainer is not None and int(trainer) != os.getpid()
 
 
-def apply_patches() -> None:
-    """Run by our vLLM plugin (launch/engine_plugin.py) in each of the engine's processes before a model loads: the
-    patches that the trainer's own process has too (compat/vllm.py): the broadcast buffer unlinked once mapped and, on
-    CPU, the CPU engine's."""
+def apply_patches(at_engine_core_loop) -> None:
+    """Run by our vLLM plugin (launch/engine_plugin.py) in each of the engine's processes before a model loads: bound
+    to end with the trainer, their start-up errors written where the trainer reads them, `at_engine_core_loop()` called
+    where an engine core starts its loop, and the patches that the trainer's own process has too (compat/vllm.py): the
+    broadcast buffer unlinked once mapped and, on CPU, the CPU engine's."""
     mode = os.environ[ENGINE_PROCESS]
     _end_with_parent()
     from colocated_grpo.compat import vllm as vllm_internals
+
+    _write_logged_errors(os.environ.get(START_ERROR_FILE), vllm_internals.exception_chain)
+    vllm_internals.call_where_engine_core_loop_starts(at_engine_core_loop)
 
     # the engine's processes end by a signal, which skips vLLM's own unlink of its broadcast buffer
     vllm_internals.unlink_broadcast_memory_once_mapped()
@@ -60,6 +67,31 @@ def _end_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() == 1:  # the parent ended before the line above
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_logged_errors(path: str | None, exception_chain) -> None:
+    """Each error vLLM logs with its exception in this process (its engine core's "EngineCore failed to start.", its
+    worker's) appended to `path` as `Type: message` lines, the innermost cause first: the trainer names it in one line
+    when the engine does not start (compat/engine_process.py)."""
+    import logging
+
+    if not path:
+        return
+
+    class WrittenToFile(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            error = record.exc_info[1] if record.exc_info else None
+            if error is None:
+                return
+            chain = [f"{type(e).__name__}: {e}".replace("\n", " ") for e in exception_chain(error)]
+            try:  # not created again once the trainer removed it (the engine started)
+                descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
+            except FileNotFoundError:
+                return
+            with os.fdopen(descriptor, "a") as file:
+                file.write("".join(f"{line}\n" for line in reversed(chain)))
+
+    logging.getLogger("vllm").addHandler(WrittenToFile(logging.ERROR))
 
 
 class PolicyWorker:

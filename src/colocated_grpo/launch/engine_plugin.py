@@ -6,8 +6,9 @@ Light to import: no torch, TRL or vLLM."""
 
 from __future__ import annotations
 
+import functools
+
 from colocated_grpo.compat import engine_worker
-from colocated_grpo.compat import vllm as vllm_internals
 from colocated_grpo.resilience import signals
 
 
@@ -15,6 +16,6 @@ def load() -> None:
     if not engine_worker.in_engine_process():  # other vLLM users, and the trainer's own process
         return
     signals.write_stacks_when_asked()  # where it waits, should it not start in time
-    signals.leave_stops_to_the_trainer()
-    vllm_internals.call_where_engine_core_loop_starts(signals.leave_stops_to_the_trainer)  # after vLLM's own handlers
-    engine_worker.apply_patches()
+    signals.leave_stops_to_the_trainer(terminate_too=False)
+    # SIGTERM too where vLLM's engine core starts its loop, after it installed its own handlers
+    engine_worker.apply_patches(at_engine_core_loop=functools.partial(signals.leave_stops_to_the_trainer, True))

