@@ -322,3 +322,25 @@ def test_an_engine_that_ends_after_a_stop_request_is_that_stop_not_a_failure(tmp
     stop = trainer.vllm_generation.engine_ended()
     assert isinstance(stop, StoppedAtOnce) and stop.code == 143
     assert str(stop).startswith("SIGTERM received, then the generation engine's process ended: stopped in step 1,")
+
+
+def test_the_placement_was_written_for_the_installed_trl():
+    from colocated_grpo.compat import engine_process
+
+    trainer = engine_process.EngineProcessGRPOTrainer
+    assert engine_process.changed_upstream(engine_process.RELIES_ON, trainer, trainer.vllm_generation_class) == []
+
+
+@pytest.mark.parametrize("target", ["VLLMGeneration._init_vllm", "GRPOTrainer._generate_single_turn"])
+def test_a_changed_method_it_relies_on_refuses_the_placement_in_one_line_before_anything_loads(monkeypatch, target):
+    """No TRL code to fall back on: the trainer is refused before its model loads (no model is given here), in one
+    line naming the method."""
+    from colocated_grpo.compat import engine_process
+    from colocated_grpo.launch import lifecycle
+
+    (written_for,) = [name for name in engine_process.RELIES_ON if name.endswith(f":{target}")]
+    monkeypatch.setitem(engine_process.RELIES_ON, written_for, "000000000000")
+    with pytest.raises(engine_process.UpstreamChanged) as refused:
+        engine_process.EngineProcessGRPOTrainer(model=None)
+    assert f"and {target} changed; it has no fallback to TRL's own code: use placement=colocate" in str(refused.value)
+    assert lifecycle.is_explained(refused.value)

@@ -22,7 +22,13 @@ import time
 import torch
 
 from colocated_grpo.compat import engine_worker
-from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer, ColocatedVLLMGeneration, _in_phase
+from colocated_grpo.compat.grpo_trainer import (
+    WRITTEN_FOR_VERSION,
+    ColocatedGRPOTrainer,
+    ColocatedVLLMGeneration,
+    _in_phase,
+    changed_upstream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +39,38 @@ log = logging.getLogger(__name__)
 ENGINE_BACKEND = "uni"
 STACKS_WRITTEN_S = 1.0  # from the signal to the kill: the time a process has to write its stacks
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
+
+
+# What this placement relies on, with a digest of each method's source as written for trl 1.16.0 (grpo_trainer.py's
+# upstream guard). Unlike the changes there it has no TRL code to fall back on: a mismatch refuses the placement.
+RELIES_ON = {
+    # TRL builds its engine by calling its module's LLM (compat/trl.py): our arguments and environment join there
+    "trl.generation.vllm_generation:VLLMGeneration._init_vllm": "0e584002e0f6",
+    "trl.generation.vllm_generation:VLLMGeneration.generate": "2d2ac2be5b13",
+    "trl.generation.vllm_generation:VLLMGeneration._iter_named_params": "baab615d5c7b",
+    # the weights synced before each generation (with overlap, once the batch in flight is done)
+    "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn": "e0f02e4fc094",
+    # overlap: the next batch read ahead of the trainer's loop, its prompts tokenized as TRL does
+    "transformers.trainer:Trainer.get_batch_samples": "0b3727386f73",
+    "trl.trainer.grpo_trainer:GRPOTrainer._tokenize_prompts": "d2d27f7c9bfd",
+}
+
+
+class UpstreamChanged(RuntimeError):
+    """TRL or transformers changed what placement=colocate_process relies on (explained in one line:
+    launch/lifecycle.EXPLAINED)."""
+
+
+def refuse_a_changed_upstream(trainer_class: type) -> None:
+    """Raise UpstreamChanged where a method of RELIES_ON, as `trainer_class` and its engine wrapper run it, is not the
+    one this placement was written for."""
+    import trl
+
+    if changed := changed_upstream(RELIES_ON, trainer_class, trainer_class.vllm_generation_class):
+        raise UpstreamChanged(
+            f"placement=colocate_process was written for trl {WRITTEN_FOR_VERSION}, this is trl {trl.__version__}, "
+            f"and {', '.join(changed)} changed; it has no fallback to TRL's own code: use placement=colocate"
+        )
 
 
 def engine_arguments() -> dict:
@@ -333,6 +371,7 @@ class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
     vllm_generation_class = EngineProcessGeneration
 
     def __init__(self, *args, overlap: bool = False, **kwargs):
+        refuse_a_changed_upstream(type(self))  # before the model and the engine load
         super().__init__(*args, **kwargs)
         how = "CUDA IPC handles" if torch.cuda.is_available() else "one safetensors blob"
         how += " per sync, through collective_rpc"

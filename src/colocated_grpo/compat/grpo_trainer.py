@@ -98,14 +98,21 @@ def _running(target: str, cls: type | None) -> tuple[str, str | None]:
         return qualname, None
 
 
+def changed_upstream(targets: dict[str, str], *classes: type) -> list[str]:
+    """The methods of `targets` (`module:Class.method` -> the digest of the source it was written for) whose source,
+    as each of `classes` runs it (subclasses of their Class), is another or gone."""
+    changed = []
+    for target, digest in targets.items():
+        for name, source in (_running(target, cls) for cls in classes or (None,)):
+            if (source is None or hashlib.sha256(source.encode()).hexdigest()[:12] != digest) and name not in changed:
+                changed.append(name)
+    return changed
+
+
 def upstream_mismatch(change: str, cls: type | None = None) -> str | None:
     """None when every TRL method `change` relies on has the source it was written for (as `cls` runs it); else one
     line saying that TRL's own code runs, why, and the speed lost."""
-    changed = []
-    for target, digest in WRITTEN_FOR[change].items():
-        name, source = _running(target, cls)
-        if source is None or hashlib.sha256(source.encode()).hexdigest()[:12] != digest:
-            changed.append(name)
+    changed = changed_upstream(WRITTEN_FOR[change], cls)
     if not changed:
         return None
     return (

@@ -58,6 +58,7 @@ EXPLAINED = (
     "colocated_grpo.resilience.preemption.NonFiniteError",
     "colocated_grpo.launch.server_placement.ServerError",
     "colocated_grpo.compat.engine_process.EngineProcessDied",
+    "colocated_grpo.compat.engine_process.UpstreamChanged",
     f"{__name__}.NothingTrained",
 )
 
