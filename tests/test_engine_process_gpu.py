@@ -10,6 +10,8 @@ from test_engine_process import PROCESS, SAME_WEIGHTS, WEIGHTS_COMPARED, assert_
 
 # An engine that does not start writes its stacks into the run's output before the call's time runs out
 STARTS_WITHIN = "placement.engine_start_timeout_s=240"
+
+
 # On a GPU the tiny random model does not sample its end of sequence within the cap (seen on one H100): every
 # completion is as long, the length reward the same for all, and the policy does not move. The share of even token ids
 # rewards every sampled token, so it moves there too.
@@ -29,7 +31,8 @@ def test_ipc_handles_keep_the_engine_s_weights_equal_to_the_trainer_s(train, tmp
     weights (cast to its dtype), its sampled log-probs match the trainer's, and none of its processes outlive the
     run."""
     record = tmp_path / "weights.jsonl"
-    run = train(*on_gpu(WEIGHTS_COMPARED), *PROCESS, STARTS_WITHIN, "logger=none", env={"ENGINE_WEIGHTS_RECORD": str(record)})
+    recorded = {"ENGINE_WEIGHTS_RECORD": str(record)}
+    run = train(*on_gpu(WEIGHTS_COMPARED), *PROCESS, STARTS_WITHIN, "logger=none", env=recorded)
     assert "weight sync: CUDA IPC handles per sync, through collective_rpc" in run.output
     weights = {r["step"]: r["difference"] for r in map(json.loads, record.read_text().splitlines())}
     assert all(weights[step] < SAME_WEIGHTS for step in weights if step < MOVING_SYNC_OFF_FROM), weights

@@ -22,7 +22,8 @@ def sync_off(completions, log_metric, from_step: int = 0, **_):
             call = llm.collective_rpc
 
             def collective_rpc(method, *args, **kwargs):
-                if method == "load_policy_weights" and trainer.state.global_step >= from_step - 1:
+                # load_policy_weights (a blob, on CPU) or load_policy_weights_from_handles (CUDA IPC handles)
+                if method.startswith("load_policy_weights") and trainer.state.global_step >= from_step - 1:
                     return None
                 return call(method, *args, **kwargs)
 
