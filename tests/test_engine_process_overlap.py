@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import Job
+from conftest import SYNC_GAP, Job
 from test_engine_process import PROCESS
 
 from colocated_grpo.resilience import checkpoints
@@ -22,6 +22,9 @@ OVERLAP = (
     "trainer.max_steps=5",
     "trainer.save_steps=2",
     "trainer.save_total_limit=3",  # checkpoint-2 kept to resume from
+    # a policy that every step moves by far more than the engine's numerics: every sampled token bears on the reward
+    "trainer.learning_rate=0.02",
+    "reward=even_tokens",
 )
 
 
@@ -45,6 +48,16 @@ def test_overlap_generates_one_step_ahead_and_records_the_lag(overlap_run):
     assert all(m["timing_s/generate"] < m["timing_s/generate_overlapped"] for m in metrics[1:]), metrics
     policy = [(r["train/global_step"], r["policy_step"]) for r in overlap_run.rollouts()]
     assert policy == [(1, 0), (2, 0), (3, 1), (4, 2), (5, 3)]
+
+
+def test_the_lag_is_real_overlap_samples_with_the_policy_of_the_step_before(overlap_run):
+    """A policy that moves every step: the engine's sampling log-probs match the training forward's at step 1,
+    generated in the step, and from step 2 on, generated ahead with the weights of the step before, differ by what one
+    update moves them (as the sync-off control's steps do, conftest.SYNC_GAP)."""
+    metrics = overlap_run.metrics()
+    assert all(m["grad_norm"] > 0 for m in metrics), "the policy must move for this test to mean anything"
+    gaps = [m["sampling/sampling_logp_difference/mean"] for m in metrics]
+    assert gaps[0] < SYNC_GAP and all(gap > SYNC_GAP for gap in gaps[1:]), gaps
 
 
 def test_a_resume_with_overlap_neither_loses_nor_repeats_a_batch(overlap_run, tmp_path):
