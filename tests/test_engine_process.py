@@ -208,10 +208,12 @@ if "COLOCATED_GRPO_ENGINE_PROCESS" not in os.environ:
 @pytest.mark.parametrize(
     ("where", "stop", "to", "nproc"),
     [
-        ("send_weights", signal.SIGINT, "group", None),  # Ctrl-C in the terminal of a `python train.py`, in the sync
+        # Ctrl-C in the terminal of a `python train.py`, in the sync and in a generation
+        ("send_weights", signal.SIGINT, "group", None),
+        ("_generate_requests", signal.SIGINT, "group", None),
         ("_generate_requests", signal.SIGTERM, "agent and engine core", 1),  # torchrun or SLURM, in a generation
     ],
-    ids=["ctrl_c_in_the_sync", "sigterm_to_torchrun_and_the_engine_core_in_a_generation"],
+    ids=["ctrl_c_in_the_sync", "ctrl_c_in_a_generation", "sigterm_to_torchrun_and_the_engine_core_in_a_generation"],
 )
 def test_a_stop_in_a_sync_or_a_generation_finishes_the_step_saves_it_and_leaves_no_engine(
     model_cache, tmp_path, where, stop, to, nproc
