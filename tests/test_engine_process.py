@@ -152,7 +152,8 @@ def test_two_ranks_train_and_an_engine_that_dies_ends_the_run_in_one_line_leavin
     assert len(said) == 1 and f"VLLM::EngineCore pid {engine_core.pid}" in said[0], job.output[-4000:]
     assert "checkpoints are kept" in said[0]
     assert f"traceback : {said[0]}" in job.output, "torchrun names it as the root cause"
-    assert "compat/engine_process.py" not in job.output and "vllm/v1" not in job.output, "no frame of ours or vLLM's"
+    no_frame = "generation/engine_process.py" not in job.output and "vllm/v1" not in job.output
+    assert no_frame, "no frame of ours or vLLM's"
     assert job.steps()[:2] == [1, 2], "both ranks trained until then"
     assert_none_left(pids)
 
@@ -186,7 +187,7 @@ def signalled_first(original):
 
 class Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name != "colocated_grpo.compat.engine_process":
+        if name != "colocated_grpo.generation.engine_process":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -249,7 +250,7 @@ def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_a
     import subprocess
     import sys
 
-    from colocated_grpo.compat import engine_worker
+    from colocated_grpo.generation import engine_worker
 
     trainer_pid = "os.getpid()" if where == "trainer" else "os.getppid()"
     script = (
@@ -276,7 +277,7 @@ def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_a
 def test_the_engine_s_processes_start_outside_the_trainer_s_torchrun_world(monkeypatch):
     """While TRL builds the engine (its processes inherit the environment then), none of torchrun's variables are set,
     and all are back after."""
-    from colocated_grpo.compat import engine_process
+    from colocated_grpo.generation import engine_process
 
     trainer_world = {
         "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -309,7 +310,7 @@ def test_an_engine_that_ends_after_a_stop_request_is_that_stop_not_a_failure(tmp
     """A signal sent to every process of a job (SLURM's) that the engine's processes did not survive: where the
     trainer waits on them, their end is the stop the signal asked for (exit 128 + the signal, saying the step was
     cut), not the failure an engine's death is otherwise."""
-    from colocated_grpo.compat.engine_process import EngineProcessDied, EngineProcessGeneration
+    from colocated_grpo.generation.engine_process import EngineProcessDied, EngineProcessGeneration
     from colocated_grpo.resilience.preemption import StopOnSignal
     from colocated_grpo.resilience.signals import StoppedAtOnce
     from colocated_grpo.training import build
@@ -327,7 +328,7 @@ def test_an_engine_that_ends_after_a_stop_request_is_that_stop_not_a_failure(tmp
 
 
 def test_the_placement_was_written_for_the_installed_trl():
-    from colocated_grpo.compat import engine_process
+    from colocated_grpo.generation import engine_process
 
     trainer = engine_process.EngineProcessGRPOTrainer
     assert engine_process.changed_upstream(engine_process.RELIES_ON, trainer, trainer.vllm_generation_class) == []
@@ -337,7 +338,7 @@ def test_the_placement_was_written_for_the_installed_trl():
 def test_a_changed_method_it_relies_on_refuses_the_placement_in_one_line_before_anything_loads(monkeypatch, target):
     """No TRL code to fall back on: the trainer is refused before its model loads (no model is given here), in one
     line naming the method."""
-    from colocated_grpo.compat import engine_process
+    from colocated_grpo.generation import engine_process
     from colocated_grpo.launch import lifecycle
 
     (written_for,) = [name for name in engine_process.RELIES_ON if name.endswith(f":{target}")]

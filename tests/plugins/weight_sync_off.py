@@ -9,7 +9,7 @@ nothing, so the engine keeps generating with the weights of step K - 2. It is re
 call of a process, after the attempt's first sync: a resumed run's engine still gets its checkpoint's weights.
 """
 
-from colocated_grpo.compat.engine_process import EngineProcessGeneration
+from colocated_grpo.generation.engine_process import EngineProcessGeneration
 from colocated_grpo.training.rewards import register
 
 

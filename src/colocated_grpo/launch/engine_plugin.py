@@ -1,14 +1,14 @@
 """vLLM's `vllm.general_plugins` entry point (pyproject.toml), which vLLM runs in each of its processes: in the
 engine's own processes of placement=colocate_process (their environment says so; not in the trainer's, where vLLM
 runs it too), each writes its stacks when the trainer asks and leaves stops to the trainer (resilience/signals.py),
-and gets our engine patches (compat/engine_worker.py); elsewhere it does nothing, so other vLLM users are untouched.
+and gets our engine patches (generation/engine_worker.py); elsewhere it does nothing, so other vLLM users are untouched.
 Light to import: no torch, TRL or vLLM."""
 
 from __future__ import annotations
 
 import functools
 
-from colocated_grpo.compat import engine_worker
+from colocated_grpo.generation import engine_worker
 from colocated_grpo.resilience import signals
 
 

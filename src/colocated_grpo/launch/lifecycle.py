@@ -57,8 +57,8 @@ EXPLAINED = (
     "colocated_grpo.resilience.out_of_memory.TrainingMemoryError",
     "colocated_grpo.resilience.preemption.NonFiniteError",
     "colocated_grpo.launch.server_placement.ServerError",
-    "colocated_grpo.compat.engine_process.EngineProcessDied",
-    "colocated_grpo.compat.engine_process.UpstreamChanged",
+    "colocated_grpo.generation.engine_process.EngineProcessDied",
+    "colocated_grpo.generation.engine_process.UpstreamChanged",
     f"{__name__}.NothingTrained",
 )
 

@@ -166,6 +166,9 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+# The trainer sends it to the engine's processes that have not started in time (write_stacks_when_asked, run by our vLLM
+# plugin in each of them, has each write its stacks on it).
+WRITE_STACKS_SIGNAL = signal.SIGUSR1
 # A process of its own that the trainer depends on ended: raised in the main thread, which may be waiting for it with
 # no timeout (vLLM's SyncMPClient.get_output waits on a queue that a dead engine never fills).
 PROCESS_ENDED_SIGNAL = signal.SIGUSR2
@@ -211,7 +214,5 @@ def write_stacks_when_asked() -> None:
     """In an engine's own process: on the signal the trainer sends when the engine has not started in time, write
     every thread's stack to stderr (Python's faulthandler, which writes even while the process waits in C code)."""
     import faulthandler
-
-    from colocated_grpo.compat.engine_worker import WRITE_STACKS_SIGNAL
 
     faulthandler.register(WRITE_STACKS_SIGNAL, all_threads=True)

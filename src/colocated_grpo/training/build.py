@@ -26,7 +26,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
     """The model, the rewards and the prepared data → our GRPOTrainer (compat/grpo_trainer.py: TRL's, with our
     changes); a memory failure of vLLM's start-up is explained in terms of our config keys."""
     if cfg.placement.get("engine_process"):
-        from colocated_grpo.compat.engine_process import EngineProcessGRPOTrainer as Trainer
+        from colocated_grpo.generation.engine_process import EngineProcessGRPOTrainer as Trainer
     else:
         from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer as Trainer
 
@@ -56,7 +56,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
         raise explained from exc
     checkpoints.quiet_tied_weights_on_resume(trainer.model)
     if placement.get("engine_process"):  # its death ends the run in one line, even while the trainer waits on it
-        from colocated_grpo.compat import engine_process
+        from colocated_grpo.generation import engine_process
 
         generation = trainer.vllm_generation
         processes = engine_process.started_processes()
@@ -164,7 +164,7 @@ def prepare_environment(cfg: DictConfig) -> None:
         vllm_internals.unlink_broadcast_memory_once_mapped()
     extra, around = {}, None
     if cfg.placement.get("engine_process"):  # placement=colocate_process
-        from colocated_grpo.compat import engine_process
+        from colocated_grpo.generation import engine_process
 
         extra.update(engine_process.engine_arguments())
         around = engine_process.engine_environment(bool(cfg.placement.cpu_eager), cfg.placement.engine_start_timeout_s)

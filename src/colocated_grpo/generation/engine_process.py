@@ -4,7 +4,7 @@ engine-core process; only the request front end stays in the trainer's. The trai
 build arguments and environment, the weight sync into the other process (through `collective_rpc` to our worker
 method: CUDA IPC handles on GPUs, one safetensors blob on CPU), the sampling generator handed over
 around each generation so that one seed samples the same tokens as the in-process engine, and the overlap of the next
-generation with this one's training. The engine's side is compat/engine_worker.py."""
+generation with this one's training. The engine's side is generation/engine_worker.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import time
 
 import torch
 
-from colocated_grpo.compat import engine_worker
 from colocated_grpo.compat.grpo_trainer import (
     WRITTEN_FOR_VERSION,
     ColocatedGRPOTrainer,
@@ -29,6 +28,8 @@ from colocated_grpo.compat.grpo_trainer import (
     _in_phase,
     changed_upstream,
 )
+from colocated_grpo.generation import engine_worker
+from colocated_grpo.resilience import signals
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def engine_environment(cpu_eager: bool, start_timeout_s: float):
 
 
 def _start_error(path: str) -> str | None:
-    """The error the engine's processes logged as their start-up failed (compat/engine_worker.py writes each, its
+    """The error the engine's processes logged as their start-up failed (generation/engine_worker.py writes each, its
     innermost cause first): a memory failure where one is among them (training/build.py explains it in terms of our
     keys), else the first."""
     from colocated_grpo.compat import vllm as vllm_internals
@@ -169,7 +170,7 @@ def _end_engine_processes(earlier: set[int], passed: threading.Event) -> None:
     late = [process for process in psutil.Process().children(recursive=True) if process.pid not in earlier]
     for process in late:
         with contextlib.suppress(psutil.NoSuchProcess):
-            process.send_signal(engine_worker.WRITE_STACKS_SIGNAL)
+            process.send_signal(signals.WRITE_STACKS_SIGNAL)
     time.sleep(STACKS_WRITTEN_S)
     for process in late:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -184,7 +185,7 @@ def _physical_device(index: int) -> str:
 
 def send_weights(llm, named_tensors) -> None:
     """The trainer's weights (name, tensor), named as in its checkpoint, into the engine's process in one
-    `collective_rpc` call of our worker methods (compat/engine_worker.py): on GPUs a CUDA IPC handle per tensor (the
+    `collective_rpc` call of our worker methods (generation/engine_worker.py): on GPUs a CUDA IPC handle per tensor (the
     engine copies from the trainer's own memory; the tensors stay alive until the call returns), on CPU one
     safetensors blob."""
     if not torch.cuda.is_available():

@@ -1,7 +1,6 @@
-"""What runs inside vLLM's own engine process for placement=colocate_process (compat/engine_process.py is the trainer's
-side): our CPU patches, applied by our vLLM plugin (launch/engine_plugin.py), and the worker methods the
-trainer calls through `collective_rpc` (vLLM's `worker_extension_cls`). Light to import: no TRL, no vLLM at module
-level."""
+"""What runs inside vLLM's own engine process for placement=colocate_process (engine_process.py is the trainer's side):
+our CPU patches, applied by our vLLM plugin (launch/engine_plugin.py), and the worker methods the trainer calls through
+`collective_rpc` (vLLM's `worker_extension_cls`). Light to import: no TRL, no vLLM at module level."""
 
 from __future__ import annotations
 
@@ -18,9 +17,6 @@ TRAINER_PID = "COLOCATED_GRPO_TRAINER_PID"
 # only vLLM's "Engine core initialization failed. See root cause above")
 START_ERROR_FILE = "COLOCATED_GRPO_ENGINE_START_ERROR"
 WORKER_EXTENSION = f"{__name__}.PolicyWorker"
-# The trainer sends it to the engine's processes that have not started in time (resilience/signals.py's
-# write_stacks_when_asked, run by our vLLM plugin, has each write its stacks on it).
-WRITE_STACKS_SIGNAL = signal.SIGUSR1
 # The device index among torch's rebuild_cuda_tensor arguments (torch.multiprocessing.reductions.reduce_tensor)
 STORAGE_DEVICE = 6
 
@@ -72,7 +68,7 @@ def _end_with_parent() -> None:
 def _write_logged_errors(path: str | None, exception_chain) -> None:
     """Each error vLLM logs with its exception in this process (its engine core's "EngineCore failed to start.", its
     worker's) appended to `path` as `Type: message` lines, the innermost cause first: the trainer names it in one line
-    when the engine does not start (compat/engine_process.py)."""
+    when the engine does not start (generation/engine_process.py)."""
     import logging
 
     if not path:
