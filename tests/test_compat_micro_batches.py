@@ -3,6 +3,8 @@ rows and each micro-batch its row count; padded, rows of similar lengths go toge
 its own longest row, with the same log-probs and loss gradients as TRL's micro-batches; packed, the micro-batches
 hold about the same number of tokens."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_compat_packing import tiny_model
@@ -128,9 +130,20 @@ def test_regrouped_micro_batches_give_trl_s_log_probs_and_gradient(buffer):
 
 
 def test_what_balancing_refuses_and_what_it_leaves_to_trl(buffer):
-    assert "each micro-batch's tokens" in micro_batches.why_not("bnpo", 1.0, 4, 2)
-    assert "entropies" in micro_batches.why_not("dapo", 0.2, 4, 2)
-    assert "no multiple" in micro_batches.why_not("dapo", 1.0, 3, 2)
-    assert all(micro_batches.why_not(loss, 1.0, 4, 2) is None for loss in ("dapo", "grpo", "dr_grpo", "cispo", "sapo"))
+    def why_not(**changes):
+        from trl import GRPOConfig
+
+        defaults = {name: getattr(GRPOConfig, name) for name in ("entropy_coef", "use_adaptive_entropy")}
+        args = {"loss_type": "dapo", "top_entropy_quantile": 1.0, "steps_per_generation": 4}
+        return micro_batches.why_not(
+            SimpleNamespace(**{**defaults, **args, "gradient_accumulation_steps": 2, **changes})
+        )
+
+    assert "each micro-batch's tokens" in why_not(loss_type="bnpo")
+    assert "entropies" in why_not(top_entropy_quantile=0.2)
+    assert "no multiple" in why_not(steps_per_generation=3)
+    assert "entropy bonus" in why_not(entropy_coef=0.01)
+    assert "entropy bonus" in why_not(use_adaptive_entropy=True)
+    assert all(why_not(loss_type=loss) is None for loss in ("dapo", "grpo", "dr_grpo", "cispo", "sapo"))
     with_images = [{**batch, "pixel_values": torch.zeros(ROWS, 3)} for batch in buffer]
     assert micro_batches.regroup(with_images, PER_STEP, packed=False) is None, "images: TRL's micro-batches stay"

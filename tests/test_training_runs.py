@@ -202,17 +202,6 @@ def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):
     assert not imported & {"torch", "transformers", "trl", "vllm", "accelerate", "peft"}
 
 
-def test_packed_micro_batches_train_as_the_padded_ones(train, default_run):
-    """run.pack_micro_batches through the whole run: the same rewards, losses and gradient norms at every step as the
-    default run's padded micro-batches (the same seed, so the same tokens while the weights agree)."""
-    packed = train("run.pack_micro_batches=true")
-    assert "micro-batches: packed, without padding (SDPA one sequence at a time" in packed.output
-    for ours, padded in zip(packed.metrics(), default_run.metrics(), strict=True):
-        for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
-            assert ours[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), (ours["train/global_step"], key)
-    assert any(m["loss"] != 0 for m in packed.metrics()), "a step with a gradient"
-
-
 def test_trl_failing_to_import_is_recorded_in_run_json(train, tmp_path):
     """TRL's trainer (or vLLM under it) that cannot load, as on a machine whose CUDA libraries do not match: the run
     ends before it started, with its error in run.json."""

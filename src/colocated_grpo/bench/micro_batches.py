@@ -105,7 +105,7 @@ def _model(shape_name: str, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(device, dtype)
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs",))
-    packing.register()
+    packing.make_packable(model.config)
     return model
 
 

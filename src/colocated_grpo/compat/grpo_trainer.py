@@ -366,6 +366,18 @@ class _GenerationStats:
         return torch.cat([delta, torch.where(r_n > 0, torch.stack([r_min, r_sum / r_n.clamp(min=1), r_max]), 0.0)])
 
 
+# TRL's _get_per_token_logps_and_entropies's arguments that the packed forward takes; any other (images, an MoE's
+# auxiliary loss) is TRL's padded forward's
+TEXT_ARGUMENTS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
+
+
+def _forward_arguments(*args, **kwargs) -> dict:
+    """A call of TRL's _get_per_token_logps_and_entropies, its arguments by name, defaults included (self first)."""
+    call = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).bind(None, *args, **kwargs)
+    call.apply_defaults()
+    return call.arguments
+
+
 class ColocatedGRPOTrainer(TimedGRPOTrainer):
     """TimedGRPOTrainer with our changes, each on where it applies and TRL's source is the one it was written for;
     one log line each says what runs."""
@@ -448,21 +460,24 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         return True
 
     def _packing_applies(self) -> bool:
-        if not self.model._can_set_attn_implementation():
-            log.info("micro-batches: padded (%s sets no attention function)", type(self.model).__name__)
+        model = self.accelerator.unwrap_model(self.model)
+        if not model._can_set_attn_implementation():
+            why_not = f"{type(model).__name__} sets no attention function"
+        elif self.aux_loss_enabled:
+            why_not = "the packed forward computes no MoE auxiliary loss"
+        else:
+            why_not = packing.why_not_packable(model) or upstream_mismatch("packed micro-batches", type(self))
+        if why_not:
+            log.warning("micro-batches: padded, not packed (%s)", why_not)
             return False
-        if why_not := upstream_mismatch("packed micro-batches", type(self)):
-            log.warning("%s", why_not)
-            return False
-        packing.register()
+        for packed in (model, self.ref_model):  # the reference model's forward is packed too (beta > 0)
+            if packed is not None:
+                packing.make_packable(self.accelerator.unwrap_model(packed).config)
         log.info("micro-batches: packed, without padding (%s)", packing.kernel())
         return True
 
     def _balancing_applies(self) -> bool:
-        args = self.args
-        why_not = micro_batches.why_not(
-            args.loss_type, args.top_entropy_quantile, args.steps_per_generation, args.gradient_accumulation_steps
-        ) or upstream_mismatch("balanced micro-batches", type(self))
+        why_not = micro_batches.why_not(self.args) or upstream_mismatch("balanced micro-batches", type(self))
         if why_not:
             log.warning("micro-batches: TRL's, not balanced (%s)", why_not)
             return False
@@ -483,8 +498,6 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             if regrouped is not None:
                 self._buffered_inputs = buffered = regrouped
                 inputs = buffered[self._step % self.args.steps_per_generation]
-        share = micro_batches.padding_share(buffered, self.pack_micro_batches)
-        self._metrics["train"]["micro_batches/padding_share"].append(share)
         return inputs
 
     def _generate_and_score_completions(self, *args, **kwargs):
@@ -508,9 +521,9 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             self._pending = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        if self.pack_micro_batches:
-            result = self._packed_logps_and_entropies(*args, **kwargs)
-        else:
+        result = self._packed_logps_and_entropies(*args, **kwargs) if self.pack_micro_batches else None
+        self._count_forward(result is not None, *args, **kwargs)
+        if result is None:
             result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if (inputs := self._pending) is not None:  # the training forward of _compute_loss: its first call
             self._pending = None
@@ -519,13 +532,12 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
 
     def _packed_logps_and_entropies(self, *args, **kwargs):
         """TRL's _get_per_token_logps_and_entropies over packed micro-batches of `batch_size` rows, where the inputs
-        are text alone; TRL's own for images and MoE auxiliary losses."""
-        call = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).bind(self, *args, **kwargs)
-        call.apply_defaults()
-        given = dict(call.arguments)
-        shared = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
-        if given["compute_aux_loss"] or any(value is not None for name, value in given.items() if name not in shared):
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        are text alone; None for a call that carries more (images), which TRL's padded forward computes."""
+        given = _forward_arguments(*args, **kwargs)
+        if given["compute_aux_loss"] or any(
+            value is not None for name, value in given.items() if name not in (*TEXT_ARGUMENTS, "compute_aux_loss")
+        ):
+            return None
         model, input_ids, attention_mask = given["model"], given["input_ids"], given["attention_mask"]
         keep, entropy = given["logits_to_keep"], given["compute_entropy"]
         rows = given["batch_size"] or input_ids.size(0)
@@ -538,6 +550,17 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             logps.append(lp)
             entropies.append(ent)
         return torch.cat(logps), torch.cat(entropies) if entropy else None, None
+
+    def _count_forward(self, packed: bool, *args, **kwargs) -> None:
+        """Per step, the share of forwards that ran packed and the share of the tokens they computed that were padding
+        (each a mean over the step's forwards: training, and TRL's no-grad ones where they run)."""
+        if not self.model.training:
+            return
+        given = _forward_arguments(*args, **kwargs)
+        mask = given["attention_mask"]
+        padding = 0.0 if packed else 1.0 - mask.sum().item() / mask.numel()
+        self._metrics["train"]["micro_batches/packed_share"].append(float(packed))
+        self._metrics["train"]["micro_batches/padding_share"].append(padding)
 
     def _add_ratio(self, inputs: dict, logps) -> None:
         sampling = inputs["sampling_per_token_logps"]

@@ -27,14 +27,20 @@ TEXT_KEYS = {
 }
 
 
-def why_not(loss_type: str, top_entropy_quantile: float, steps_per_generation: int, per_step: int) -> str | None:
-    """Why regrouping would change the loss or cross an optimizer step; None where it does not."""
-    if loss_type == "bnpo":
+def why_not(args) -> str | None:
+    """Why regrouping would change the loss or cross an optimizer step under these GRPOConfig `args`; None where it
+    does not."""
+    if args.loss_type == "bnpo":
         return "loss_type=bnpo normalizes by each micro-batch's tokens"
-    if top_entropy_quantile < 1.0:
+    if args.top_entropy_quantile < 1.0:
         return "top_entropy_quantile < 1 masks by each micro-batch's entropies"
-    if steps_per_generation % per_step:
-        return f"steps_per_generation={steps_per_generation} is no multiple of gradient_accumulation_steps={per_step}"
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        return "the entropy bonus is a mean over each micro-batch's tokens"
+    per_step = args.gradient_accumulation_steps
+    if args.steps_per_generation % per_step:
+        return (
+            f"steps_per_generation={args.steps_per_generation} is no multiple of gradient_accumulation_steps={per_step}"
+        )
     return None
 
 

@@ -157,11 +157,14 @@ def training_need(cfg: DictConfig, model_config: dict, longest_prompt: int | Non
     heads = int(model_config["num_attention_heads"])
     kv = int(model_config.get("num_key_value_heads") or heads) * int(model_config.get("head_dim") or hidden // heads)
     vocab = int(model_config.get("vocab_size") or 0)
+    tied = bool(model_config.get("tie_word_embeddings", True))  # transformers' default
     dtype = str(cfg.model.get("dtype", "auto"))
     if dtype == "auto":
         dtype = str(model_config.get("torch_dtype") or model_config.get("dtype") or "float32")
     size = 2 if dtype in ("bfloat16", "float16") else 4
-    params = models.parameter_count(models.resolve(cfg.model)) or _parameters(hidden, intermediate, layers, kv, vocab)
+    params = models.parameter_count(models.resolve(cfg.model)) or _parameters(
+        hidden, intermediate, layers, kv, vocab, tied
+    )
     layer_params = _parameters(hidden, intermediate, 1, kv, 0)
 
     world = int(os.environ.get("WORLD_SIZE") or cfg.parallelism.get("nproc_per_node") or 1)
@@ -218,7 +221,7 @@ def training_need(cfg: DictConfig, model_config: dict, longest_prompt: int | Non
     elif parallelism == "fsdp":
         # FSDP2: the layer in use and the next one (prefetched) gathered, one layer's unsharded gradients before their
         # reduce-scatter, and the root module's parameters (embedding, LM head) gathered for the whole step
-        sharding = (3 * layer_params + vocab * hidden) * size
+        sharding = (3 * layer_params + vocab * hidden * (1 if tied else 2)) * size
 
     return Need(state, activations, checkpointed, lm_head, reference, ddp_buckets, sharding, micro_batch, sequence)
 
@@ -237,9 +240,11 @@ def _triton_device() -> bool:
     return torch.cuda.is_available()
 
 
-def _parameters(hidden: int, intermediate: int, layers: int, kv: int, vocab: int) -> int:
-    """A decoder's parameters from its shape (attention, MLP, embeddings): where no weight files say it."""
-    return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate) + vocab * hidden
+def _parameters(hidden: int, intermediate: int, layers: int, kv: int, vocab: int, tied: bool = True) -> int:
+    """A decoder's parameters from its shape (attention, MLP, the embedding, and an LM head of its own where the
+    embeddings are not tied): where no weight files say it."""
+    embeddings = vocab * hidden * (1 if tied else 2)
+    return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate) + embeddings
 
 
 def budget_bytes(cfg: DictConfig) -> Budget:
