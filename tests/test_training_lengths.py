@@ -81,6 +81,13 @@ def test_a_profile_is_refused_where_it_cannot_apply(offline_config):
     assert "run.length_profile=long is a request to vLLM; with trainer.use_vllm=false" in config_problems(
         "run.length_profile=long", "placement=none"
     )
+    hot = config_problems("run.length_profile=short", "trainer.temperature=0.7")
+    assert "run.length_profile=short with trainer.temperature=0.7: the importance-sampling ratio" in hot
+    validate(
+        compose_train(
+            "run.length_profile=short", "trainer.temperature=0.7", "trainer.vllm_importance_sampling_correction=false"
+        )
+    )
 
 
 def test_plain_trl_sends_the_same_request_at_trls_defaults_too(offline_config, tmp_path):
@@ -122,6 +129,10 @@ def test_a_run_with_a_profile_spreads_its_completions_as_the_profile_says(profil
     assert summary["completions/mean_length"] == pytest.approx(metrics[-1]["completions/mean_length"])
     for m in metrics:  # our percentiles beside TRL's own lengths
         assert 9 <= m["completions/p50_length"] <= m["completions/p99_length"] <= 64, m
+    for m in metrics:  # on-policy: the engine's log-probs are the model's own, before the profile's EOS bias
+        assert 0.98 <= m["sampling/importance_sampling_ratio/mean"] <= 1.02, m[
+            "sampling/importance_sampling_ratio/mean"
+        ]
     profile = read_json(run.dir / "run.json")["length_profile"]
     assert profile["min_tokens"] == 8 and profile["expected"]["clipped_ratio"] == pytest.approx(0.05, abs=0.01), profile
 

