@@ -415,7 +415,7 @@ def assert_same_rollouts_and_training(fast, plain):
     """The same tokens, loss and sampled log-probs at every step. TRL's sampling metrics are functions of the engine's
     sampled log-probs (beside the trainer's own, which depend only on the tokens): equal metrics mean equal sampled
     log-probs, and equal importance-sampling ratios."""
-    from colocated_grpo.compat.grpo_trainer import IS_RATIO_METRICS
+    from colocated_grpo.training.trainer import IS_RATIO_METRICS
 
     assert completions(fast) == completions(plain), "the same tokens, token for token"
     steps = list(zip(fast.metrics(), plain.metrics(), strict=True))

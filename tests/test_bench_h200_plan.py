@@ -20,7 +20,7 @@ SWITCHES = ("v2", "packed", "compile", "liger", "balanced", "process", "overlap"
 AGAINST = {"overlap": "process"}  # a switch compared with another switch's case, not with the defaults
 GPU_TESTS = {  # the GPU test calls: their test files and directories under OUT
     "engine_process_gpu": ("tests/test_engine_process_gpu.py", "gpu_tests/engine_process"),
-    "packing_gpu": ("tests/test_compat_packing_gpu.py", "gpu_tests/packing"),
+    "packing_gpu": ("tests/test_training_packing_gpu.py", "gpu_tests/packing"),
 }
 RUNS_A_CALL = 4  # 80 to 150 s a run of 6 steps on one H200 (the kept studies' job.json): a call stays within 520 s
 

@@ -1,5 +1,6 @@
-"""bench/micro_batches.py: one optimizer step's forward and backward in TRL's, balanced and packed micro-batches, on
-CPU: every variant computes the same loss, balanced computes less padding than TRL's and packed none."""
+"""bench/micro_batches.py: one optimizer step of our trainer (TRL's compute_loss and the backward of each micro-batch)
+in TRL's, balanced and packed micro-batches, on CPU: every variant computes the same loss; by the trainer's own counts
+balanced computes less padding than TRL's, and packed none, every forward packed."""
 
 import json
 
@@ -19,4 +20,5 @@ def test_each_variant_trains_the_same_tokens_with_its_own_padding(tmp_path, caps
     assert max(losses) - min(losses) < 1e-5 * max(1.0, abs(losses[0])), losses
     assert variants["balanced"]["padding_share"] < variants["trl"]["padding_share"]
     assert variants["packed"]["padding_share"] == variants["packed_balanced"]["padding_share"] == 0.0
+    assert [v["packed_share"] for v in variants.values()] == [0.0, 0.0, 1.0, 1.0]
     assert all(len(v["seconds"]) == 1 and v["median_s"] > 0 for v in variants.values())

@@ -635,11 +635,18 @@ def test_speed_ups_pair_each_repeat_with_the_baseline_run_next_to_it():
 
 def test_the_plain_trl_script_calls_none_of_our_changes_to_trl():
     """bench/plain_trl.py stays plain: it builds the timing-only TimedGRPOTrainer, none of ours that changes TRL (our
-    ColocatedGRPOTrainer, whatever else compat.trl or compat.grpo_trainer holds)."""
+    ColocatedGRPOTrainer, whatever else our trainer, the in-process engine's changes or compat.grpo_trainer hold)."""
     from colocated_grpo.compat import grpo_trainer
+    from colocated_grpo.generation import in_process
+    from colocated_grpo.training import trainer
 
-    ours = {name for name, value in vars(grpo_trainer).items() if callable(value) and name != "TimedGRPOTrainer"}
-    assert {"ColocatedGRPOTrainer", "ColocatedVLLMGeneration"} <= ours
+    ours = {
+        name
+        for module in (grpo_trainer, in_process, trainer)
+        for name, value in vars(module).items()
+        if callable(value) and getattr(value, "__module__", None) == module.__name__ and name != "TimedGRPOTrainer"
+    }
+    assert {"ColocatedGRPOTrainer", "ColocatedVLLMGeneration", "fast_sync_plan"} <= ours
     source = (REPO / study.PLAIN_SCRIPT).read_text()
     nodes = list(ast.walk(ast.parse(source)))
     called = {

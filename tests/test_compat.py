@@ -57,7 +57,7 @@ def _generation(mode="colocate", zero3=False, fsdp=None):
     ],
 )
 def test_weight_sync_is_batched_only_where_trls_tensors_outlive_its_iterator(generation, plan):
-    from colocated_grpo.compat.grpo_trainer import fast_sync_plan
+    from colocated_grpo.generation.in_process import fast_sync_plan
 
     assert fast_sync_plan(generation) == plan
 

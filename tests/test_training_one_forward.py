@@ -1,4 +1,4 @@
-"""The vLLM importance-sampling ratio from the training forward (compat.grpo_trainer.ColocatedGRPOTrainer,
+"""The vLLM importance-sampling ratio from the training forward (training.trainer.ColocatedGRPOTrainer,
 placement.one_forward) gives the loss and the sampling/* metrics of TRL's own path, in every importance-sampling mode,
 with one forward fewer per generation and TRL's buffered micro-batches left as TRL made them; off-policy settings keep
 TRL's path; no method of the built trainer is replaced on the instance; and every place where our code stands in for
@@ -16,7 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colocated_grpo.compat import grpo_trainer as grpo
+from colocated_grpo.compat import grpo_trainer as guard
+from colocated_grpo.compat import trl as trl_internals
+from colocated_grpo.training import trainer as grpo
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "is_ratio_paths.py"
 EPS32 = torch.finfo(torch.float32).eps
@@ -160,11 +162,12 @@ def test_the_ratio_of_each_mode():
 
 def test_each_replacement_was_written_for_the_installed_trl():
     """CI installs trl 1.16.0: every replacement must take effect there, or its speed would silently be lost."""
-    for replacement in grpo.WRITTEN_FOR:
-        assert grpo.upstream_mismatch(replacement) is None, replacement
-    assert grpo.upstream_mismatch("batched weight sync", grpo.ColocatedVLLMGeneration) is None
+    for replacement in guard.WRITTEN_FOR:
+        assert guard.upstream_mismatch(replacement) is None, replacement
+    assert guard.upstream_mismatch("batched weight sync", grpo.ColocatedVLLMGeneration) is None
     assert (
-        grpo.upstream_mismatch("importance-sampling ratio from the training forward", grpo.ColocatedGRPOTrainer) is None
+        guard.upstream_mismatch("importance-sampling ratio from the training forward", grpo.ColocatedGRPOTrainer)
+        is None
     )
 
 
@@ -173,10 +176,10 @@ def changed_reference(monkeypatch):
     """WRITTEN_FOR as if each replacement had been written for a TRL whose first function read differently."""
 
     def change(replacement: str) -> str:
-        targets = dict(grpo.WRITTEN_FOR[replacement])
+        targets = dict(guard.WRITTEN_FOR[replacement])
         first = next(iter(targets))
         targets[first] = "000000000000"
-        monkeypatch.setitem(grpo.WRITTEN_FOR, replacement, targets)
+        monkeypatch.setitem(guard.WRITTEN_FOR, replacement, targets)
         return first.partition(":")[2]
 
     return change
@@ -205,7 +208,7 @@ def test_the_flat_reader_stands_in_for_trls_parser_only_inside_our_generate(buil
 
     monkeypatch.setattr(vllm_generation.VLLMGeneration, "generate", trls_generate)
     reads = []
-    monkeypatch.setattr(grpo.trl_internals, "read_flat_logprobs", lambda outputs, fallback: reads.append(fallback))
+    monkeypatch.setattr(trl_internals, "read_flat_logprobs", lambda outputs, fallback: reads.append(fallback))
     trainer.vllm_generation.generate()
     assert seen[0] is not original and reads == [original]
     assert vllm_generation.extract_logprobs is original
@@ -215,12 +218,12 @@ def test_the_flat_reader_stands_in_for_trls_parser_only_inside_our_generate(buil
     assert seen[1] is original and len(reads) == 1
 
 
-@pytest.mark.parametrize("target", list(grpo.WRITTEN_FOR["flat log-prob reader"]))
+@pytest.mark.parametrize("target", list(guard.WRITTEN_FOR["flat log-prob reader"]))
 def test_a_changed_parser_or_generate_keeps_trls_own_parser(build, monkeypatch, caplog, target):
     import trl.generation.vllm_generation as vllm_generation
 
     original = vllm_generation.extract_logprobs
-    monkeypatch.setitem(grpo.WRITTEN_FOR, "flat log-prob reader", {target: "000000000000"})
+    monkeypatch.setitem(guard.WRITTEN_FOR, "flat log-prob reader", {target: "000000000000"})
     trainer = build(generation=_generation(), flat_logprobs=True)
     name = target.partition(":")[2]
     _warning(caplog, "flat log-prob reader: TRL's own code runs: written for trl 1.16.0", name, "slower generation")
@@ -370,9 +373,9 @@ def test_a_trl_that_moved_its_engine_wrapper_runs_its_own_code_with_a_warning(mo
 
     for moved_away in ("trl.generation", "trl.generation.vllm_generation"):
         monkeypatch.setitem(sys.modules, moved_away, None)  # importing it raises ImportError
-    monkeypatch.delitem(sys.modules, grpo.__name__)
-    moved = importlib.import_module(grpo.__name__)
-    assert moved is not grpo and moved.vllm_generation is None
+    monkeypatch.delitem(sys.modules, guard.__name__)
+    moved = importlib.import_module(guard.__name__)
+    assert moved is not guard and moved.vllm_generation is None
     for change in ("flat log-prob reader", "batched weight sync"):
         assert moved.upstream_mismatch(change).startswith(f"{change}: TRL's own code runs"), change
     assert moved.upstream_mismatch("token counts") is None  # GRPOTrainer's own _generate is where it was

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from test_compat_packing import COMPLETION, _difference, _loss_and_grads, _padded, mixed_batch, tiny_model
+from test_training_packing import COMPLETION, _difference, _loss_and_grads, _padded, mixed_batch, tiny_model
 
-from colocated_grpo.compat import packing
+from colocated_grpo.training import packing
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,5 @@
-"""Micro-batches balanced by tokens (compat/micro_batches.py, run.balance_micro_batches): each optimizer step keeps its
-rows and each micro-batch its row count; padded, rows of similar lengths go together and each micro-batch is cut to
+"""Micro-batches balanced by tokens (training/micro_batches.py, run.balance_micro_batches): each optimizer step keeps
+its rows and each micro-batch its row count; padded, rows of similar lengths go together and each micro-batch is cut to
 its own longest row, with the same log-probs and loss gradients as TRL's micro-batches; packed, the micro-batches
 hold about the same number of tokens."""
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_compat_packing import tiny_model
+from test_training_packing import tiny_model
 
-from colocated_grpo.compat import micro_batches
+from colocated_grpo.training import micro_batches
 
 PROMPT, COMPLETION = 6, 12  # the generation batch's longest prompt and completion: every TRL micro-batch's widths
 PER_STEP, STEPS, ROWS = 3, 2, 4  # micro-batches per optimizer step, optimizer steps per generation, rows each

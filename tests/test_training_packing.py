@@ -1,4 +1,4 @@
-"""Packed micro-batches (compat/packing.py, run.pack_micro_batches): one packed forward gives the log-probs,
+"""Packed micro-batches (training/packing.py, run.pack_micro_batches): one packed forward gives the log-probs,
 entropies, loss and gradients of TRL's padded forward, on sequences of mixed lengths with left-padded prompts and
 right-padded completions, grouped-query attention included, under gradient checkpointing (reentrant or not), with a
 sliding window and with LoRA adapters; a packing that lets sequences see each other does not; attention the packed
@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from colocated_grpo.compat import packing
+from colocated_grpo.training import packing
 
 PROMPT, COMPLETION = 7, 9
 PROMPT_LENGTHS, COMPLETION_LENGTHS = [7, 3, 5, 1], [9, 2, 6, 4]
