@@ -59,7 +59,8 @@ class Packed:
         return padded[:, 1:]
 
 
-PACKABLE = "colocated_grpo_packable|"  # + the model's own attention: the dispatcher of make_packable
+# + the model's own attention: the dispatcher of make_packable (no "|", which transformers reads as a kernel's prefix)
+PACKABLE = "colocated_grpo_packable_"
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
