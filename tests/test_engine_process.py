@@ -274,6 +274,37 @@ def test_our_vllm_plugin_acts_in_the_engine_s_processes_and_leaves_the_trainer_a
     assert f"own process group {in_engine}" in done.stdout and f"SIGINT ignored {in_engine}" in done.stdout
 
 
+def test_a_trainer_whose_parent_is_pid_1_trains(model_cache, tmp_path):
+    """`docker run --init`, tini, a shell entrypoint, `nohup … &` from a terminal that closes: the trainer's parent is
+    PID 1 (here: a shell that started it in the background and exited, its orphan adopted by PID 1). Our vLLM plugin,
+    which also runs in the trainer's process while the engine is built, once stopped such a trainer before step 1."""
+    import subprocess
+    import sys
+
+    from colocated_grpo.launch.processes import TRAIN_SCRIPT
+
+    run_dir, output = tmp_path / "run", tmp_path / "output.txt"
+    command = [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={run_dir}", *PROCESS, "logger=none"]
+    started = subprocess.run(
+        ["bash", "-c", '"$@" > "$0" 2>&1 & echo $!', str(output), *command],
+        env=run_environment(model_cache),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    trainer = psutil.Process(int(started.stdout))
+    try:
+        assert trainer.ppid() == 1, "the shell has exited: PID 1 adopted the trainer"
+        trainer.wait(timeout=600)
+    finally:
+        if trainer.is_running():
+            trainer.kill()
+    said = output.read_text()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished", said[-4000:]
+    steps = [json.loads(row)["train/global_step"] for row in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
 def test_the_engine_s_processes_start_outside_the_trainer_s_torchrun_world(monkeypatch):
     """While TRL builds the engine (its processes inherit the environment then), none of torchrun's variables are set,
     and all are back after."""
