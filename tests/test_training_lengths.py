@@ -104,6 +104,7 @@ PROFILED = (
     "trainer.max_steps=2",
     "trainer.max_completion_length=64",
     "trainer.per_device_train_batch_size=16",
+    "trainer.beta=0.04",  # a reference model, whose forwards packing packs too
     "logger=none",
 )
 
@@ -158,8 +159,8 @@ def test_balanced_micro_batches_train_as_one_micro_batch_with_less_padding(train
 
 
 def test_packed_micro_batches_train_as_the_padded_ones(train, profiled):
-    """run.pack_micro_batches through the whole run, on completions of mixed lengths: every forward of every step
-    packed, no padding computed, and the same rewards, losses and gradient norms at every step as the padded run (the
+    """run.pack_micro_batches through the whole run, on completions of mixed lengths and with a reference model (beta
+    0.04): every forward of every step packed (the reference model's too), no padding computed, and the same rewards, losses and gradient norms at every step as the padded run (the
     same seed, so the same tokens while the weights agree), up to the order of a few reductions: not bit for bit."""
     packed = train(*PROFILED, "run.pack_micro_batches=true")
     assert "micro-batches: packed, without padding (SDPA one sequence at a time" in packed.output
@@ -168,7 +169,7 @@ def test_packed_micro_batches_train_as_the_padded_ones(train, profiled):
         step = ours["train/global_step"]
         assert ours["micro_batches/packed_share"] == 1.0 and ours["micro_batches/padding_share"] == 0.0, step
         assert padded["micro_batches/packed_share"] == 0.0 and padded["micro_batches/padding_share"] > 0.2, step
-        for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
+        for key in ("reward", "loss", "grad_norm", "completions/mean_length", "kl"):
             assert ours[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), (step, key)
         differs += [ours[key] != padded[key] for key in ("loss", "grad_norm")]
     assert any(m["loss"] != 0 for m in packed.metrics()), "a step with a gradient"
