@@ -160,8 +160,9 @@ def test_balanced_micro_batches_train_as_one_micro_batch_with_less_padding(train
 
 def test_packed_micro_batches_train_as_the_padded_ones(train, profiled):
     """run.pack_micro_batches through the whole run, on completions of mixed lengths and with a reference model (beta
-    0.04): every forward of every step packed (the reference model's too), no padding computed, and the same rewards, losses and gradient norms at every step as the padded run (the
-    same seed, so the same tokens while the weights agree), up to the order of a few reductions: not bit for bit."""
+    0.04): every forward of every step packed (the reference model's too), no padding computed, and the same rewards,
+    losses, gradient norms and KL at every step as the padded run (the same seed, so the same tokens while the weights
+    agree), up to the order of a few reductions: not bit for bit."""
     packed = train(*PROFILED, "run.pack_micro_batches=true")
     assert "micro-batches: packed, without padding (SDPA one sequence at a time" in packed.output
     differs = []
