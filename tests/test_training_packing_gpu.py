@@ -1,6 +1,7 @@
 """Packed micro-batches on a GPU (run on a GPU machine: `pytest -m gpu`): the packed forward through PyTorch's
 varlen_attn (FlashAttention 2, bf16, grouped-query attention) is as close to the exact log-probs, loss and gradients
-as TRL's padded bf16 forward is; a packing that lets sequences see each other is not."""
+as TRL's padded bf16 forward is, under gradient checkpointing too (its recompute packed as well); a packing that lets
+sequences see each other is not."""
 
 import copy
 
@@ -64,6 +65,25 @@ def test_packed_varlen_forward_is_as_exact_as_the_padded_one_in_bf16(gpu_model, 
     logps, _ = packing.per_token_logps(gpu_model, gpu_model.config, input_ids, mask, COMPLETION, compute_entropy=False)
     packed = _errors(logps, *_loss_and_grads(gpu_model, logps, completion_mask), exact, cpu_mask)
     print(f"bf16 error against fp32: padded {padded}, packed {packed}")
+    for key in padded:
+        assert packed[key] <= WITHIN * padded[key] + FLOOR, (key, packed, padded)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_under_gradient_checkpointing_the_packed_gradients_are_as_exact_as_the_padded_ones(
+    cpu_model, batch, exact, reentrant
+):
+    input_ids, mask = (t.cuda() for t in batch)
+    completion_mask = mask[:, -COMPLETION:].float()
+    cpu_mask = completion_mask.cpu()
+    model = copy.deepcopy(cpu_model).to("cuda", torch.bfloat16)
+    padded_logps, _ = _padded(model, input_ids, mask)
+    padded = _errors(padded_logps, *_loss_and_grads(model, padded_logps, completion_mask), exact, cpu_mask)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    logps, _ = packing.per_token_logps(model, model.config, input_ids, mask, COMPLETION, compute_entropy=False)
+    packed = _errors(logps, *_loss_and_grads(model, logps, completion_mask), exact, cpu_mask)
+    print(f"bf16 error against fp32 with checkpointing (reentrant {reentrant}): padded {padded}, packed {packed}")
     for key in padded:
         assert packed[key] <= WITHIN * padded[key] + FLOOR, (key, packed, padded)
 
