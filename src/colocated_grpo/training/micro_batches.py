@@ -81,15 +81,6 @@ def lengths(batch: dict) -> torch.Tensor:
     return batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1)
 
 
-def padding_share(micro_batches: list[dict], packed: bool) -> float:
-    """The share of the tokens the training forwards compute that are padding (none when packed)."""
-    if packed:
-        return 0.0
-    real = sum(int(lengths(batch).sum()) for batch in micro_batches)
-    computed = sum(batch["prompt_ids"].numel() + batch["completion_ids"].numel() for batch in micro_batches)
-    return 1.0 - real / max(computed, 1)
-
-
 def _concatenated(values: list, rows: int):
     first = values[0]
     if isinstance(first, torch.Tensor) and first.ndim > 0 and len(first) == rows:

@@ -268,8 +268,9 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             self._pending = None
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        result = self._packed_logps_and_entropies(*args, **kwargs) if self.pack_micro_batches else None
-        self._count_forward(result is not None, *args, **kwargs)
+        given = _forward_arguments(*args, **kwargs)
+        result = self._packed_logps_and_entropies(given) if self.pack_micro_batches else None
+        self._count_forward(result is not None, given.get("attention_mask"))
         if result is None:
             result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if (inputs := self._pending) is not None:  # the training forward of _compute_loss: its first call
@@ -277,10 +278,10 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             self._add_ratio(inputs, result[0].detach())
         return result
 
-    def _packed_logps_and_entropies(self, *args, **kwargs):
-        """TRL's _get_per_token_logps_and_entropies over packed micro-batches of `batch_size` rows, where the inputs
-        are text alone; None for a call that carries more (images), which TRL's padded forward computes."""
-        given = _forward_arguments(*args, **kwargs)
+    def _packed_logps_and_entropies(self, given: dict):
+        """TRL's _get_per_token_logps_and_entropies (`given`: its call's arguments by name) over packed micro-batches
+        of `batch_size` rows, where the inputs are text alone; None for a call that carries more (images), which TRL's
+        padded forward computes."""
         if given["compute_aux_loss"] or any(
             value is not None for name, value in given.items() if name not in (*TEXT_ARGUMENTS, "compute_aux_loss")
         ):
@@ -298,10 +299,10 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
             entropies.append(ent)
         return torch.cat(logps), torch.cat(entropies) if entropy else None, None
 
-    def _count_forward(self, packed: bool, *args, **kwargs) -> None:
+    def _count_forward(self, packed: bool, mask) -> None:
         """Per step, the share of forwards that ran packed and the share of the tokens they computed that were padding
-        (each a mean over the step's forwards: training, and TRL's no-grad ones where they run)."""
-        mask = _forward_arguments(*args, **kwargs).get("attention_mask")
+        (each a mean over the step's forwards: training, and TRL's no-grad ones where they run); `mask`, the forward's
+        attention mask."""
         if not self.model.training or mask is None:  # evaluation; a call without a batch (a stand-in of TRL's)
             return
         padding = 0.0 if packed else 1.0 - mask.sum().item() / mask.numel()
