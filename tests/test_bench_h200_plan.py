@@ -23,6 +23,10 @@ GPU_TESTS = {  # the GPU test calls: their test files and directories under OUT
     "packing_gpu": ("tests/test_training_packing_gpu.py", "gpu_tests/packing"),
 }
 RUNS_A_CALL = 4  # 80 to 150 s a run of 6 steps on one H200 (the kept studies' job.json): a call stays within 520 s
+QUEUED = {  # the calls meant for a queue (longer than one call; a second call continues the directory): their steps
+    "levers": ["cap_256", "realistic_256", "realistic_packed_256", "cap_overlap_256", "realistic_overlap_256"],
+    "levers_process": ["cap_process_256", "realistic_process_256"],
+}
 
 
 def _plan(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -46,11 +50,13 @@ def test_the_dry_run_plans_each_switch_beside_what_it_changes_the_speed_study_in
     assert done.returncode == 0, done.stderr
     planned = _calls(done.stdout)
     assert list(planned) == _plan(cwd=tmp_path).stdout.split(), "the calls it lists, in order"
-    assert max(len(steps) for steps in planned.values()) <= RUNS_A_CALL
     calls = dict(planned)
+    for call, cases in QUEUED.items():
+        assert calls.pop(call) == [(case, k) for k in (1, 2) for case in cases], "each repeat of all, then the next"
+    assert max(len(steps) for steps in calls.values()) <= RUNS_A_CALL
     for call, (test, directory) in GPU_TESTS.items():
         assert calls.pop(call) == [
-            f"--kill-after=60 520 {sys.executable} -m pytest -p no:cacheprovider -m gpu {test} "
+            f"--kill-after=60 520 {sys.executable} -m pytest -p no:cacheprovider -m gpu -n 0 {test} "
             f"--junitxml {tmp_path / 'out'}/{directory}/junit.xml"
         ]
     assert next(iter(planned)) == "engine_process_gpu", "the new placement's GPU path runs before it is measured"
@@ -60,7 +66,8 @@ def test_the_dry_run_plans_each_switch_beside_what_it_changes_the_speed_study_in
             on = f"{profile}_{switch}_256"
             defaults = f"{profile}_{AGAINST[switch]}_256" if switch in AGAINST else f"{profile}_256"
             assert calls.pop(f"{switch}_{profile}") == [(defaults, 1), (on, 1), (defaults, 2), (on, 2)]
-            assert study.baselines(switches)[on] == [defaults]
+            also = [f"{profile}_256"] if switch in AGAINST else []  # and what a user gains over the defaults
+            assert study.baselines(switches)[on] == [defaults, *also]
     assert {case for case in switches["cases"] if "_" in case.removesuffix("_256")} == {
         f"{profile}_{switch}_256" for switch in SWITCHES for profile in ("cap", "realistic")
     }, "every switch of the study has its calls"
@@ -93,7 +100,20 @@ def test_a_call_runs_its_steps_into_out_under_timeout(tmp_path):
     gpu = _plan("engine_process_gpu", "rel/out", cwd=tmp_path, **env)
     assert gpu.returncode == 0, gpu.stderr
     assert gpu.stdout.split() == [
-        *("timeout", "--kill-after=60", "520", "python3", "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu"),
+        *(
+            "timeout",
+            "--kill-after=60",
+            "520",
+            "python3",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "-n",
+            "0",
+        ),
         str(REPO / "tests" / "test_engine_process_gpu.py"),
         *("--junitxml", str(tmp_path / "rel" / "out" / "gpu_tests" / "engine_process" / "junit.xml")),
     ]

@@ -10,7 +10,9 @@
 #     study: OUT/speed_h200 must be there for the next call (bring it back to a new machine);
 #   - GPU tests (study `pytest`, steps: test files): `pytest -m gpu` on them, its JUnit report into OUT/DIRECTORY.
 #     engine_process_gpu runs placement=colocate_process's GPU path (CUDA IPC handles) once: run it first;
-#     packing_gpu, packed micro-batches through varlen_attn against the padded forward.
+#     packing_gpu, packed micro-batches through varlen_attn against the padded forward;
+#   - levers, then levers_process: the placements and packing against the defaults, both profiles, in one directory
+#     (longer than one call: LIMIT_S=1500 where a queue runs it, or again in the next call, which continues it).
 #
 #   bash sweeps/studies/h200_plan.sh                  list the calls
 #   bash sweeps/studies/h200_plan.sh --dry-run [OUT]  each call's command, its steps and theirs (the study runner's
@@ -42,7 +44,9 @@ balanced_realistic    switches_h200  switches_h200/balanced_realistic */realisti
 process_cap           switches_h200  switches_h200/process_cap        */cap_256 */cap_process_256
 overlap_cap           switches_h200  switches_h200/overlap_cap        */cap_process_256 */cap_overlap_256
 process_realistic     switches_h200  switches_h200/process_realistic  */realistic_256 */realistic_process_256
-overlap_realistic     switches_h200  switches_h200/overlap_realistic  */realistic_process_256 */realistic_overlap_256"
+overlap_realistic     switches_h200  switches_h200/overlap_realistic  */realistic_process_256 */realistic_overlap_256
+levers                switches_h200  switches_gpu  */cap_256 */realistic_256 */realistic_packed_256 */*_overlap_256
+levers_process        switches_h200  switches_gpu  */*_process_256"
 for r in rep1 rep2 rep3; do
   CALLS+="
 speed_256_$r          speed_h200     speed_h200  */ours_256/$r */plain_256/$r */plain_ours_256/$r */ours_v2_256/$r
@@ -65,7 +69,7 @@ case "${1:-}" in
     for name in $names; do
       find_call "$name"
       if [[ $study == pytest ]]; then
-        echo "== $name: timeout --kill-after=60 $LIMIT_S $PYTHON -m pytest -p no:cacheprovider -m gpu $steps" \
+        echo "== $name: timeout --kill-after=60 $LIMIT_S $PYTHON -m pytest -p no:cacheprovider -m gpu -n 0 $steps" \
           "--junitxml $out/$dir/junit.xml"
         continue
       fi
@@ -83,7 +87,7 @@ case "${1:-}" in
       tests=()
       for test in $steps; do tests+=("$REPO/$test"); done
       mkdir -p "$2/$dir"
-      exec timeout --kill-after=60 "$LIMIT_S" "$PYTHON" -m pytest -p no:cacheprovider -m gpu "${tests[@]}" \
+      exec timeout --kill-after=60 "$LIMIT_S" "$PYTHON" -m pytest -p no:cacheprovider -m gpu -n 0 "${tests[@]}" \
         --junitxml "$(realpath -m "$2")/$dir/junit.xml"
     fi
     exec timeout --kill-after=60 "$LIMIT_S" "$PYTHON" -m colocated_grpo.bench.study run \
