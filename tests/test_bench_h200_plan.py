@@ -24,7 +24,8 @@ GPU_TESTS = {  # the GPU test calls: their test files and directories under OUT
 }
 RUNS_A_CALL = 4  # 80 to 150 s a run of 6 steps on one H200 (the kept studies' job.json): a call stays within 520 s
 QUEUED = {  # the calls meant for a queue (longer than one call; a second call continues the directory): their steps
-    "levers": ["cap_256", "realistic_256", "realistic_packed_256", "cap_overlap_256", "realistic_overlap_256"],
+    "levers_realistic": ["realistic_256", "realistic_packed_256", "realistic_overlap_256"],
+    "levers_cap": ["cap_256", "cap_overlap_256"],
     "levers_process": ["cap_process_256", "realistic_process_256"],
 }
 

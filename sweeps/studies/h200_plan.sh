@@ -11,8 +11,9 @@
 #   - GPU tests (study `pytest`, steps: test files): `pytest -m gpu` on them, its JUnit report into OUT/DIRECTORY.
 #     engine_process_gpu runs placement=colocate_process's GPU path (CUDA IPC handles) once: run it first;
 #     packing_gpu, packed micro-batches through varlen_attn against the padded forward;
-#   - levers, then levers_process: the placements and packing against the defaults, both profiles, in one directory
-#     (longer than one call: LIMIT_S=1500 where a queue runs it, or again in the next call, which continues it).
+#   - levers_realistic, levers_cap, then levers_process: the placements and packing against the defaults, in one
+#     directory (longer than one call: a larger LIMIT_S where a queue runs them, or the same call again, which
+#     continues the directory).
 #
 #   bash sweeps/studies/h200_plan.sh                  list the calls
 #   bash sweeps/studies/h200_plan.sh --dry-run [OUT]  each call's command, its steps and theirs (the study runner's
@@ -45,7 +46,8 @@ process_cap           switches_h200  switches_h200/process_cap        */cap_256 
 overlap_cap           switches_h200  switches_h200/overlap_cap        */cap_process_256 */cap_overlap_256
 process_realistic     switches_h200  switches_h200/process_realistic  */realistic_256 */realistic_process_256
 overlap_realistic     switches_h200  switches_h200/overlap_realistic  */realistic_process_256 */realistic_overlap_256
-levers                switches_h200  switches_gpu  */cap_256 */realistic_256 */realistic_packed_256 */*_overlap_256
+levers_realistic      switches_h200  switches_gpu  */realistic_256 */realistic_packed_256 */realistic_overlap_256
+levers_cap            switches_h200  switches_gpu  */cap_256 */cap_overlap_256
 levers_process        switches_h200  switches_gpu  */*_process_256"
 for r in rep1 rep2 rep3; do
   CALLS+="
