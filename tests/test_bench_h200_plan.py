@@ -16,7 +16,7 @@ from colocated_grpo.bench.study import running
 from colocated_grpo.provenance import REPO
 
 PLAN = REPO / "sweeps" / "studies" / "h200_plan.sh"
-SWITCHES = ("v2", "packed", "compile", "liger", "balanced", "process", "overlap")
+SWITCHES = ("v2", "padded", "compile", "liger", "balanced", "process", "overlap")
 AGAINST = {"overlap": "process"}  # a switch compared with another switch's case, not with the defaults
 GPU_TESTS = {  # the GPU test calls: their test files and directories under OUT
     "engine_process_gpu": ("tests/test_engine_process_gpu.py", "gpu_tests/engine_process"),
@@ -24,7 +24,7 @@ GPU_TESTS = {  # the GPU test calls: their test files and directories under OUT
 }
 RUNS_A_CALL = 4  # 80 to 150 s a run of 6 steps on one H200 (the kept studies' job.json): a call stays within 520 s
 QUEUED = {  # the calls meant for a queue (longer than one call; a second call continues the directory): their steps
-    "levers_realistic": ["realistic_256", "realistic_packed_256", "realistic_overlap_256"],
+    "levers_realistic": ["realistic_256", "realistic_padded_256", "realistic_overlap_256"],
     "levers_cap": ["cap_256", "cap_overlap_256"],
     "levers_process": ["cap_process_256", "realistic_process_256"],
 }

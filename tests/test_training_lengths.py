@@ -111,7 +111,8 @@ PROFILED = (
 
 @pytest.fixture(scope="module")
 def profiled(train):
-    return train(*PROFILED)
+    """TRL's padded micro-batches: the control that balancing and packing are held against."""
+    return train(*PROFILED, "run.pack_micro_batches=false")
 
 
 def test_a_run_with_a_profile_spreads_its_completions_as_the_profile_says(profiled):
@@ -143,6 +144,7 @@ def test_balanced_micro_batches_train_as_one_micro_batch_with_less_padding(train
     of one micro-batch: the same rewards, loss and gradient norm, and a smaller share of padding computed."""
     balanced = train(
         *PROFILED,
+        "run.pack_micro_batches=false",
         "run.balance_micro_batches=true",
         "trainer.per_device_train_batch_size=4",
         "trainer.gradient_accumulation_steps=4",

@@ -33,12 +33,12 @@ CALLS="
 engine_process_gpu    pytest         gpu_tests/engine_process         tests/test_engine_process_gpu.py
 packing_gpu           pytest         gpu_tests/packing                tests/test_training_packing_gpu.py
 v2_cap                switches_h200  switches_h200/v2_cap             */cap_256 */cap_v2_256
-packed_cap            switches_h200  switches_h200/packed_cap         */cap_256 */cap_packed_256
+padded_cap            switches_h200  switches_h200/padded_cap         */cap_256 */cap_padded_256
 compile_cap           switches_h200  switches_h200/compile_cap        */cap_256 */cap_compile_256
 liger_cap             switches_h200  switches_h200/liger_cap          */cap_256 */cap_liger_256
 balanced_cap          switches_h200  switches_h200/balanced_cap       */cap_256 */cap_balanced_256
 v2_realistic          switches_h200  switches_h200/v2_realistic       */realistic_256 */realistic_v2_256
-packed_realistic      switches_h200  switches_h200/packed_realistic   */realistic_256 */realistic_packed_256
+padded_realistic      switches_h200  switches_h200/padded_realistic   */realistic_256 */realistic_padded_256
 compile_realistic     switches_h200  switches_h200/compile_realistic  */realistic_256 */realistic_compile_256
 liger_realistic       switches_h200  switches_h200/liger_realistic    */realistic_256 */realistic_liger_256
 balanced_realistic    switches_h200  switches_h200/balanced_realistic */realistic_256 */realistic_balanced_256
@@ -46,7 +46,7 @@ process_cap           switches_h200  switches_h200/process_cap        */cap_256 
 overlap_cap           switches_h200  switches_h200/overlap_cap        */cap_process_256 */cap_overlap_256
 process_realistic     switches_h200  switches_h200/process_realistic  */realistic_256 */realistic_process_256
 overlap_realistic     switches_h200  switches_h200/overlap_realistic  */realistic_process_256 */realistic_overlap_256
-levers_realistic      switches_h200  switches_gpu  */realistic_256 */realistic_packed_256 */realistic_overlap_256
+levers_realistic      switches_h200  switches_gpu  */realistic_256 */realistic_padded_256 */realistic_overlap_256
 levers_cap            switches_h200  switches_gpu  */cap_256 */cap_overlap_256
 levers_process        switches_h200  switches_gpu  */*_process_256"
 for r in rep1 rep2 rep3; do

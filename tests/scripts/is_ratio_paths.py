@@ -28,6 +28,8 @@ OVERRIDES = [
     # that truncation and masking act on some tokens and sequences in every mode
     "trainer.vllm_importance_sampling_clip_min=0.997",
     "trainer.vllm_importance_sampling_clip_max=1.002",
+    # TRL's padded log-prob forward, the one this script counts and compares (packing replaces it)
+    "run.pack_micro_batches=false",
 ]
 
 
