@@ -137,6 +137,22 @@ def samples_from_phases(phases, interval_s: float = 0.01):
     return pd.DataFrame(rows, columns=list(frames.SAMPLE_COLUMNS))
 
 
+def test_phases_from_samples_end_where_the_samples_pause():
+    """Samples every 10 ms: a step's generate and train, 0.3 s in no phase (between steps), the next step's generate.
+    The train phase ends a sampling interval past its last sample, not where the next step starts."""
+    taken = [(1, "generate", 0.0), (1, "train", 0.05), (2, "generate", 0.40)]
+    samples = pd.DataFrame(
+        [
+            {run_files.STEP_KEY: step, "rank": 0, "phase": phase, "t": start + i * 0.01}
+            for step, phase, start in taken
+            for i in range(5)
+        ]
+    )
+    derived = frames.phases_from_samples(samples)
+    assert derived["phase"].tolist() == ["generate", "train", "generate"]
+    np.testing.assert_allclose(derived[["start", "end"]].to_numpy(), [[0.0, 0.05], [0.05, 0.10], [0.40, 0.45]])
+
+
 def test_timeline_draws_each_gpu_over_the_phases_of_the_rank_that_sampled_it(run_dir, tmp_path):
     phases = analysis.load_phases(run_dir)
     samples = samples_from_phases(phases)

@@ -66,15 +66,20 @@ def merge_phases(phases):
 
 def phases_from_samples(samples):
     """Phase intervals from GPU samples' labels: each run of a rank's samples in one phase and step lasts from its
-    first sample to the next run's (the last one a sampling interval past its last sample)."""
+    first sample to the next run's, or, where the samples pause (time in no phase, between steps or while a
+    checkpoint saves: no sample for more than one and a half intervals) and after the last run, to a sampling interval
+    past its own last sample."""
     import pandas as pd
 
     spans = []
     for rank, own in samples.groupby("rank", sort=True):
         own = own.drop_duplicates("t").sort_values("t")  # one rank samples all its GPUs at one time
         interval = own["t"].diff().median() if len(own) > 1 else 0.0
-        first = (own[STEP_KEY] != own[STEP_KEY].shift()) | (own["phase"] != own["phase"].shift())
+        paused = own["t"].diff() > 1.5 * interval
+        first = (own[STEP_KEY] != own[STEP_KEY].shift()) | (own["phase"] != own["phase"].shift()) | paused
+        last = own.groupby(first.cumsum())["t"].max().to_numpy()  # each run's last sample
         span = own[first].rename(columns={"t": "start"}).assign(rank=rank)
-        span["end"] = span["start"].shift(-1, fill_value=own["t"].iloc[-1] + interval)
+        following = span["start"].shift(-1)
+        span["end"] = following.where(following - last <= 1.5 * interval, last + interval)
         spans.append(span[list(PHASE_COLUMNS)])
     return pd.concat(spans, ignore_index=True) if spans else pd.DataFrame(columns=list(PHASE_COLUMNS))
