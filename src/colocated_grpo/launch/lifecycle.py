@@ -133,7 +133,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> Path:
         report_to = ["wandb"] if cfg.logger.backend == "wandb" and rank0 else []  # TRL logs to W&B from rank 0
         prepared = preflight.prepare(cfg, run_dir, report_to)  # the dataset, prompt lengths, TRL's own rules
         with collector.paused_for_imports():  # TRL's trainer and vLLM, for build_trainer
-            from colocated_grpo.training import trainer
+            import colocated_grpo.training.trainer  # noqa: F401
     if rank0 and (line := prompt_lengths.said(prepared.prompts)):
         log.warning("%s", line)
     resume_command = attempts.resume_command(run_dir)  # before vLLM's CPU platform rewrites LOCAL_WORLD_SIZE

@@ -2,7 +2,7 @@
 positions, attended to through a variable-length kernel that keeps them apart. TRL pads each micro-batch to its
 longest sequence (prompts on the left, completions on the right); packed, the forward computes no padding token.
 
-The seams with transformers (5.17 on GPUs, 5.24 on CPU): an attention function registered in its AttentionInterface
+The seams with transformers (5.17, on CPU and GPU alike): an attention function registered in its AttentionInterface
 under ATTENTION, which the model's attention layers call with the extra keyword arguments of the model's forward
 (here `cu_seq_lens` and `max_length`); with no mask function registered under that name, transformers builds no mask.
 The model's config names ATTENTION only while a packed forward runs (`attention_of`), so that transformers builds no
