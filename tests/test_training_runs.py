@@ -50,6 +50,9 @@ def test_default_run_trains_three_steps_and_writes_run_files(default_run):
     rollouts = default_run.rollouts()
     assert len(rollouts) == 3 and all(len(r["completions"]) == 4 for r in rollouts)
     assert [r["train/global_step"] for r in rollouts] == [1, 2, 3], "the steps metrics.jsonl names them by"
+    # packed micro-batches by default: every forward of every step, and no padding computed
+    assert "micro-batches: packed, without padding" in default_run.output
+    assert all(m["micro_batches/packed_share"] == 1.0 and m["micro_batches/padding_share"] == 0.0 for m in metrics)
     # every reward function's scores and their weighted total per completion: TRL's own means of the step
     for r, m in zip(rollouts, metrics, strict=True):
         assert set(r["rewards"]) == {"exact_answer", "boxed_format", "length"}
