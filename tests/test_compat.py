@@ -1,11 +1,10 @@
-"""What compat/ knows of TRL's internals, checked against TRL itself on synthetic engine outputs."""
+"""What compat/ knows of TRL's internals, checked against TRL itself on synthetic engine outputs. TRL's generation
+module and vLLM are imported by the tests that use them, not at collection (each pytest worker collects every file)."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
-from trl.generation.vllm_generation import extract_logprobs
-from vllm.logprobs import FlatLogprobs, Logprob
 
 from colocated_grpo.compat import trl as trl_internals
 
@@ -15,6 +14,8 @@ def _request(*sequences):
 
 
 def _flat(positions):
+    from vllm.logprobs import FlatLogprobs, Logprob
+
     flat = FlatLogprobs()
     for position in positions:
         flat.append({token: Logprob(logprob=value, rank=rank) for token, value, rank in position})
@@ -22,6 +23,8 @@ def _flat(positions):
 
 
 def test_flat_log_probs_read_directly_equal_trls_parser_nan_included():
+    from trl.generation.vllm_generation import extract_logprobs
+
     sequences = [_flat([[(5, -0.5, 1)], [(9, float("nan"), 1)], [(2, -3.25, 4)]]), _flat([[(7, -0.1, 1)]])]
     outputs = [_request(sequences[0]), _request(sequences[1])]
     fast = trl_internals.read_flat_logprobs(outputs)
@@ -30,6 +33,9 @@ def test_flat_log_probs_read_directly_equal_trls_parser_nan_included():
 
 
 def test_anything_but_one_flat_entry_per_position_goes_to_trls_parser():
+    from trl.generation.vllm_generation import extract_logprobs
+    from vllm.logprobs import Logprob
+
     top2 = _flat([[(5, -0.5, 1), (6, -1.5, 2)], [(9, -0.2, 1), (1, -2.0, 2)]])  # logprobs=1: two per position
     as_dicts = [{3: Logprob(logprob=-0.7, rank=1)}]
     for outputs in ([_request(top2)], [_request(as_dicts)]):
