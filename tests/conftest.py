@@ -82,10 +82,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """Two workers: one run at a time leaves a core idle while it imports and starts, and on 2 cores a third made the
-    suite slower (477 s against 428 s, one installed clone). GPU tests share the GPUs: one at a time."""
+    """Three workers on 2 cores: the fast set waits on processes it signals and on their grace periods, and a third
+    worker runs beside those waits (98 s with two workers, 89 s with three, one installed clone); the whole suite is
+    bound by its CPU time either way (942 s and 944 s). GPU tests share the GPUs: one at a time."""
     selects_gpu = "gpu" in config.option.markexpr and "not gpu" not in config.option.markexpr
-    return 0 if selects_gpu else 2
+    return 0 if selects_gpu else 3
 
 
 @pytest.fixture(scope="session")
