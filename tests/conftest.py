@@ -263,17 +263,19 @@ def moving_run(train, tmp_path_factory) -> Run:
 
 @pytest.fixture(scope="session")
 def tp2_run(train, tmp_path_factory) -> Run:
-    """Its sampled token ids are in run.tokens (tokens-rank<R>.jsonl, beside its run directory)."""
+    """Its sampled token ids are in run.tokens (tokens-rank<R>.jsonl, beside its run directory); whatever torch's
+    inductor compiled in it is in run.inductor (its cache directory, beside the run's)."""
 
     def make() -> Run:
         root = tmp_path_factory.mktemp("tp2")
         tokens, run_dir = root / "tokens", root / "run"
         tokens.mkdir()
         run_dir.mkdir()
-        return train(*TP2, nproc=2, env={"TOKEN_RECORD_DIR": str(tokens)}, run_dir=run_dir)
+        env = {"TOKEN_RECORD_DIR": str(tokens), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+        return train(*TP2, nproc=2, env=env, run_dir=run_dir)
 
     run = once_per_session("tp2_run", tmp_path_factory, make)
-    run.tokens = run.dir.parent / "tokens"
+    run.tokens, run.inductor = run.dir.parent / "tokens", run.dir.parent / "inductor"
     return run
 
 

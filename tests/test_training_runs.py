@@ -191,6 +191,10 @@ def test_torchrun_two_ranks_with_tensor_parallel_two(tp2_run):
     assert not list(Path("/dev/shm").glob(f"job{port}-*")), "a later run on this port would fail with errno 17"
     # and vLLM's broadcast ring buffer is unlinked by its creator, not left for Python's resource tracker to find
     assert "leaked shared_memory" not in run.output
+    # placement.cpu_eager: nothing compiled, the embedding's vocabulary-shard mask of a tensor-parallel engine included
+    # (compiled, it was inductor's C++ build and six processes importing torch to check the CPU, in each rank)
+    compiled = [p.name for p in run.inductor.rglob("*") if p.is_file()] if run.inductor.exists() else []
+    assert not compiled, compiled
 
 
 def test_fsdp_without_a_gpu_is_refused_before_loading_anything(train):

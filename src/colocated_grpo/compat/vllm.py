@@ -19,10 +19,13 @@ FAST_OUTPUTS = {"detokenize": False, "flat_logprobs": True}
 
 # LLM(...) arguments of an engine that runs eagerly (see `run_eagerly`).
 EAGER_ENGINE_KWARGS = {"enforce_eager": True}
-# Sampler helpers vLLM wraps in torch.compile at import, whatever the engine's own compilation settings.
-COMPILED_SAMPLER_HELPERS = (
+# Helpers vLLM wraps in torch.compile at import, whatever the engine's own compilation settings: the sampler's two, and
+# the vocabulary-shard mask of every tensor-parallel engine's embedding (on a CPU, inductor's C++ build of it, and its
+# check of the CPU's vector instructions: six Python processes that import torch, in each rank of a TP 2 run).
+COMPILED_HELPERS = (
     ("vllm.v1.sample.sampler", "batched_count_greater_than"),
     ("vllm.v1.sample.ops.topk_topp_sampler", "compiled_random_sample"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "get_masked_input_and_mask"),
 )
 
 
@@ -120,11 +123,11 @@ def call_where_engine_core_loop_starts(callback) -> None:
 
 
 def run_eagerly() -> dict:
-    """placement.cpu_eager: run vLLM's compiled sampler helpers as plain functions in this process; returns the
-    LLM(...) arguments that build an engine without torch.compile (docs/running.md has the timings)."""
+    """placement.cpu_eager: run vLLM's compiled helpers as plain functions in this process; returns the LLM(...)
+    arguments that build an engine without torch.compile (docs/running.md has the timings)."""
     import importlib
 
-    for module_name, name in COMPILED_SAMPLER_HELPERS:
+    for module_name, name in COMPILED_HELPERS:
         module = importlib.import_module(module_name)
         if (eager := getattr(getattr(module, name, None), "_torchdynamo_orig_callable", None)) is not None:
             setattr(module, name, eager)
