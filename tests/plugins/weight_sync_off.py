@@ -9,12 +9,14 @@ nothing, so the engine keeps generating with the weights of step K - 2. It is re
 call of a process, after the attempt's first sync: a resumed run's engine still gets its checkpoint's weights.
 """
 
-from colocated_grpo.generation.engine_process import EngineProcessGeneration
 from colocated_grpo.training.rewards import register
 
 
 @register
 def sync_off(completions, log_metric, from_step: int = 0, **_):
+    # imported here, not with the module: a run refused before anything loads imports its reward modules
+    from colocated_grpo.generation.engine_process import EngineProcessGeneration
+
     trainer = log_metric.__self__  # TRL passes its own bound method: the trainer whose engine this is
     llm = trainer.vllm_generation.llm
     if isinstance(trainer.vllm_generation, EngineProcessGeneration):
