@@ -321,8 +321,9 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process_and_runnin
     import psutil
 
     definition, out = tmp_path / "long.yaml", tmp_path / "out"
-    long = ["trainer.max_steps=40", "trainer.max_completion_length=8", "trainer.save_strategy=steps"]
-    long.append("trainer.save_steps=2")
+    long = ["trainer.max_steps=6", "trainer.max_completion_length=8", "trainer.save_strategy=steps"]
+    # a second a step (tests/plugins/slow_steps.py): the Ctrl-C lands while the repeat runs, whatever the machine
+    long += ["trainer.save_steps=2", "+reward.modules=[slow_steps]", "+reward.weights.sleeps=0.0"]
     definition.write_text(
         yaml.safe_dump(
             {
@@ -360,7 +361,7 @@ def test_ctrl_c_stops_the_study_records_the_job_and_leaves_no_process_and_runnin
     record = read_json(rep1 / "run.json")
     assert record["status"] == "finished" and [a["status"] for a in record["attempts"]] == ["interrupted", "finished"]
     assert record["attempts"][1]["from_step"] >= 2, "resumed from a checkpoint, not started over"
-    assert [r[STEP_KEY] for r in read_jsonl(rep1 / "metrics.jsonl")] == list(range(1, 41)), "each step once"
+    assert [r[STEP_KEY] for r in read_jsonl(rep1 / "metrics.jsonl")] == list(range(1, 7)), "each step once"
 
 
 def test_a_study_with_a_step_that_did_not_finish_says_which_and_exits_non_zero(tmp_path, capsys):
