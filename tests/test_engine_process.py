@@ -88,6 +88,9 @@ def test_after_every_sync_the_engine_process_holds_the_trainer_s_weights(process
 
 def test_a_finished_run_leaves_no_engine_process(process_run):
     assert_none_left(engine_pids(process_run.output))
+    # nor a semaphore for Python's resource tracker to clean up after it (the run's output is read to its end, the
+    # tracker's included: it holds the pipe until it has cleaned up)
+    assert "leaked semaphore" not in process_run.output, process_run.output[-2000:]
 
 
 # Python starts it in every process of the run: in the engine's (whose environment names our plugin's mode), it holds

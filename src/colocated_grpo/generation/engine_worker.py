@@ -30,8 +30,9 @@ def in_engine_process() -> bool:
 def apply_patches(at_engine_core_loop) -> None:
     """Run by our vLLM plugin (launch/engine_plugin.py) in each of the engine's processes before a model loads: bound
     to end with the trainer, their start-up errors written where the trainer reads them, `at_engine_core_loop()` called
-    where an engine core starts its loop, and the patches that the trainer's own process has too (compat/vllm.py): the
-    broadcast buffer unlinked once mapped and, on CPU, the CPU engine's."""
+    where an engine core starts its loop, tqdm's lock a thread's (no semaphore to leak), and the patches that the
+    trainer's own process has too (compat/vllm.py): the broadcast buffer unlinked once mapped and, on CPU, the CPU
+    engine's."""
     mode = os.environ[ENGINE_PROCESS]
     _end_with_parent()
     from colocated_grpo.compat import vllm as vllm_internals
@@ -41,6 +42,13 @@ def apply_patches(at_engine_core_loop) -> None:
 
     # the engine's processes end by a signal, which skips vLLM's own unlink of its broadcast buffer
     vllm_internals.unlink_broadcast_memory_once_mapped()
+    # and the release of a semaphore: tqdm's lock between processes (vLLM's weight-loading progress bar made one), which
+    # Python's resource tracker then reported leaked at the end of every run; one process needs a thread's lock
+    import threading
+
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
     import torch
 
     if torch.cuda.is_available():
