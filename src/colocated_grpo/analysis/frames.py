@@ -75,11 +75,12 @@ def phases_from_samples(samples):
     for rank, own in samples.groupby("rank", sort=True):
         own = own.drop_duplicates("t").sort_values("t")  # one rank samples all its GPUs at one time
         interval = own["t"].diff().median() if len(own) > 1 else 0.0
-        paused = own["t"].diff() > 1.5 * interval
+        pause = 1.5 * interval  # longer without a sample: time in no phase
+        paused = own["t"].diff() > pause
         first = (own[STEP_KEY] != own[STEP_KEY].shift()) | (own["phase"] != own["phase"].shift()) | paused
         last = own.groupby(first.cumsum())["t"].max().to_numpy()  # each run's last sample
         span = own[first].rename(columns={"t": "start"}).assign(rank=rank)
         following = span["start"].shift(-1)
-        span["end"] = following.where(following - last <= 1.5 * interval, last + interval)
+        span["end"] = following.where(following - last <= pause, last + interval)
         spans.append(span[list(PHASE_COLUMNS)])
     return pd.concat(spans, ignore_index=True) if spans else pd.DataFrame(columns=list(PHASE_COLUMNS))
