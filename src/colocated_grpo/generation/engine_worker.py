@@ -60,9 +60,9 @@ def apply_patches(at_engine_core_loop) -> None:
 
 def _end_with_parent() -> None:
     """SIGKILL when the parent process ends, however it ends (the trainer ends with os._exit, or is killed): the
-    engine's processes end with their trainer at once, and nothing is left behind (as
-    launch/processes.py binds the processes it starts). Not SIGTERM: they ignore it (resilience/signals.py's
-    leave_stops_to_the_trainer), and vLLM's own shutdown on it took 2-7 s."""
+    engine's processes end with their trainer at once, and nothing is left behind (as launch/processes.py binds the
+    processes it starts). Not SIGTERM: they ignore it (resilience/signals.py's leave_stops_to_the_trainer), and vLLM's
+    own shutdown on it took 2-7 s."""
     import ctypes
     import sys
 
