@@ -210,3 +210,12 @@ def test_attention_sinks_reaching_the_packed_attention_stop_it_in_one_line(batch
         packing.varlen_attention(
             None, query, query, query, None, cu_seq_lens=boundaries, max_length=5, s_aux=torch.zeros(4)
         )
+
+
+def test_the_variable_length_kernel_runs_only_where_flashattention_takes_the_model_s_dtype():
+    """PyTorch's varlen_attn is FlashAttention 2, CUDA in float16 or bfloat16: a float32 model on a GPU (the GPU
+    tests' tiny models) packs through SDPA a sequence at a time, as on CPU; varlen_attn raised in its first forward."""
+    assert packing.varlen_kernel_runs(True, torch.bfloat16) and packing.varlen_kernel_runs(True, torch.float16)
+    assert not packing.varlen_kernel_runs(True, torch.float32)
+    assert not packing.varlen_kernel_runs(False, torch.bfloat16)
+    assert packing.kernel(torch.float32) == "SDPA one sequence at a time: no variable-length kernel on CPU"

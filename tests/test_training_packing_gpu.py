@@ -61,7 +61,7 @@ def test_packed_varlen_forward_is_as_exact_as_the_padded_one_in_bf16(gpu_model, 
     cpu_mask = completion_mask.cpu()
     padded_logps, _ = _padded(gpu_model, input_ids, mask)
     padded = _errors(padded_logps, *_loss_and_grads(gpu_model, padded_logps, completion_mask), exact, cpu_mask)
-    assert packing.kernel() == "PyTorch's varlen_attn, FlashAttention 2"
+    assert packing.kernel(gpu_model.dtype) == "PyTorch's varlen_attn, FlashAttention 2"
     logps, _ = packing.per_token_logps(gpu_model, gpu_model.config, input_ids, mask, COMPLETION, compute_entropy=False)
     packed = _errors(logps, *_loss_and_grads(gpu_model, logps, completion_mask), exact, cpu_mask)
     print(f"bf16 error against fp32: padded {padded}, packed {packed}")
@@ -109,3 +109,15 @@ def test_a_varlen_packing_that_lets_sequences_see_each_other_is_caught(gpu_model
     mixed_error = _difference(mixed.float().cpu(), exact[0], cpu_mask)
     print(f"bf16 log-prob error against fp32: padded {padded_error}, mixed {mixed_error}")
     assert mixed_error > 10 * padded_error + FLOOR  # on CPU in fp32: 0.34 mixed, 0.0029 padded in bf16
+
+
+def test_a_float32_model_packs_on_a_gpu_one_sequence_at_a_time_as_its_padded_forward_computes(cpu_model, batch):
+    """FlashAttention, which varlen_attn runs, takes float16 and bfloat16 only: a float32 model (the tiny models of
+    the GPU tests) packs through SDPA a sequence at a time, as on CPU, and gives its padded forward's log-probs."""
+    model = copy.deepcopy(cpu_model).to("cuda")
+    input_ids, mask = (t.cuda() for t in batch)
+    assert packing.kernel(model.dtype).startswith("SDPA one sequence at a time: FlashAttention takes")
+    with torch.no_grad():
+        padded, _ = _padded(model, input_ids, mask)
+        packed, _ = packing.per_token_logps(model, model.config, input_ids, mask, COMPLETION, compute_entropy=False)
+    assert _difference(packed.cpu(), padded.cpu(), mask[:, -COMPLETION:].float().cpu()) < 1e-4

@@ -71,7 +71,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise NotImplementedError(f"packed micro-batches: the packed attention does not compute {unsupported}")
     boundaries, longest, window = kwargs["cu_seq_lens"], kwargs["max_length"], kwargs.get("sliding_window")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
-    if query.is_cuda:
+    if varlen_kernel_runs(query.is_cuda, query.dtype):
         from torch.nn.attention.varlen import varlen_attn
 
         groups = query.shape[1] // key.shape[1]
@@ -146,11 +146,19 @@ def make_packable(config) -> None:
     config._attn_implementation = PACKABLE + own
 
 
-def kernel() -> str:
-    """Which kernel packed attention runs on this machine, in words."""
-    if torch.cuda.is_available():
+def kernel(dtype: torch.dtype) -> str:
+    """Which kernel packed attention runs on this machine for a model of `dtype`, in words."""
+    if varlen_kernel_runs(torch.cuda.is_available(), dtype):
         return "PyTorch's varlen_attn, FlashAttention 2"
+    if torch.cuda.is_available():
+        return f"SDPA one sequence at a time: FlashAttention takes float16 and bfloat16, the model is {dtype}"
     return "SDPA one sequence at a time: no variable-length kernel on CPU"
+
+
+def varlen_kernel_runs(on_cuda: bool, dtype: torch.dtype) -> bool:
+    """PyTorch's varlen_attn runs FlashAttention 2: on CUDA, in float16 or bfloat16 only (a float32 model raised
+    "FlashAttention only support fp16 and bf16 data type" in its first packed forward)."""
+    return on_cuda and dtype in (torch.float16, torch.bfloat16)
 
 
 @contextmanager

@@ -220,7 +220,7 @@ class ColocatedGRPOTrainer(TimedGRPOTrainer):
         for packed in (model, self.ref_model):  # the reference model's forward is packed too (beta > 0)
             if packed is not None:
                 packing.make_packable(self.accelerator.unwrap_model(packed).config)
-        log.info("micro-batches: packed, without padding (%s)", packing.kernel())
+        log.info("micro-batches: packed, without padding (%s)", packing.kernel(model.dtype))
         return True
 
     def _balancing_applies(self) -> bool:
