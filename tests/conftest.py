@@ -60,8 +60,9 @@ def pytest_configure(config):
     # it inherits that: the Ctrl-C tests' runs would not hear their Ctrl-C.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    # An xdist worker's own tests (torch in-process) get its share of the cores too, set before torch is imported: with
-    # torch's default of a thread per core, the fast set took 152-168 s of CPU, 91-99 s; with one, 142-156 s, 82-95 s.
+    # An xdist worker's share of the cores, for the runs it starts and, set before torch is imported, for its own tests
+    # (torch in-process): with torch's default of a thread per core there, the fast set took 152-168 s of CPU, 91-99 s;
+    # with one, 142-156 s, 82-95 s.
     os.environ.update(threads_per_run())
 
 
@@ -119,14 +120,14 @@ def run_env(model_cache) -> dict:
 
 
 def run_environment(model_cache: Path) -> dict:
-    """The environment of a run or sweep in the tests: the session's model cache, W&B offline, unbuffered output."""
+    """The environment of a run or sweep in the tests: the session's model cache, W&B offline, unbuffered output, and
+    an xdist worker's share of the cores (pytest_configure set it in the worker's own environment)."""
     plugins = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(PLUGINS)) if p)
     # A rendezvous left in this process's environment (accelerate sets RANK, LOCAL_RANK, MASTER_PORT, … when a test
     # builds a multi-process CPU state in-process) is not handed on: each run starts as a user's would.
     inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS and not k.startswith("TORCHELASTIC_")}
     return {
         **inherited,
-        **threads_per_run(),
         "COLOCATED_GRPO_CACHE": str(model_cache),
         "WANDB_MODE": "offline",
         "PYTHONUNBUFFERED": "1",
@@ -135,9 +136,9 @@ def run_environment(model_cache: Path) -> dict:
 
 
 def threads_per_run() -> dict:
-    """OMP_NUM_THREADS for runs started beside those of other xdist workers: each gets its share of the cores. A run
-    that spins one OpenMP thread per core beside another run mostly waits on threads the other holds: two tiny runs
-    started together on 2 cores took 3.5-4.8 s a step, 0.17-0.21 s with one thread each."""
+    """OMP_NUM_THREADS for an xdist worker, its tests and the runs they start, beside the other workers: each gets its
+    share of the cores. A run that spins one OpenMP thread per core beside another run mostly waits on threads the
+    other holds: two tiny runs started together on 2 cores took 3.5-4.8 s a step, 0.17-0.21 s with one thread each."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // workers))} if workers > 1 else {}
 
